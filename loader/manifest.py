@@ -1,0 +1,392 @@
+"""The manifest: schema, strict parsing and serialization.
+
+The manifest is untrusted input on the serving side, so it is parsed by hand into frozen dataclasses
+with every type, range and cross-reference checked; anything unexpected raises ``ArtifactError``
+naming the key (``manifest.json: variants[0].dims.seq: ...``). The build side creates the same
+dataclasses and calls ``Manifest.to_json()``, so writer and reader cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from . import constants as C
+from .errors import ArtifactError
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+VARIANT_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_INT = 2**53  # anything larger is not a real size and would not survive JSON round trips
+
+Shape = tuple[Union[str, int], ...]
+
+
+@dataclass(frozen=True)
+class DimRange:
+    min: int
+    max: int
+
+    def __contains__(self, size: int) -> bool:
+        return self.min <= size <= self.max
+
+    def __str__(self) -> str:
+        return f"[{self.min}, {self.max}]"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: str
+    shape: Shape  # a dim name (dynamic or ranged) or an int (static size)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """Structure of what forward() returns: a tensor, or tuples/lists/dicts of them."""
+
+    kind: str  # "tensor" | "tuple" | "list" | "dict"
+    items: tuple[OutputSpec, ...] = ()
+    keys: tuple[str, ...] = ()
+
+    def count(self) -> int:
+        return 1 if self.kind == "tensor" else sum(item.count() for item in self.items)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.kind == "tensor":
+            return {"kind": "tensor"}
+        out: dict[str, Any] = {"kind": self.kind, "items": [item.to_dict() for item in self.items]}
+        if self.kind == "dict":
+            out["keys"] = list(self.keys)
+        return out
+
+
+@dataclass(frozen=True)
+class ConstantSpec:
+    """dtype and shape of one tensor in weights.safetensors, as the compiled code expects it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Variant:
+    id: str
+    kind: str  # "static" | "dynamic"
+    file: str
+    dims: dict[str, DimRange]  # for static variants min == max for every dim
+    hint: dict[str, int]  # the sizes the variant was exported and tuned with
+    constants: tuple[str, ...]  # names in weights.safetensors this variant needs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "file": self.file,
+            "dims": {k: [r.min, r.max] for k, r in self.dims.items()},
+            "hint": dict(self.hint),
+            "constants": list(self.constants),
+        }
+
+
+@dataclass(frozen=True)
+class Target:
+    device: str
+    cpu_capability: str  # what torch.backends.cpu.get_cpu_capability() said on the build host
+    aoti_cpu_isa: str  # what AOTInductor recorded in the package metadata
+    platform: str
+    machine: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    torch_version: str
+    precompile_version: str
+    created: str
+    target: Target
+    inputs: tuple[InputSpec, ...]
+    dims: dict[str, DimRange]
+    output: OutputSpec
+    variants: tuple[Variant, ...]
+    constants: dict[str, ConstantSpec]
+    files: dict[str, FileEntry]
+    check: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": C.FORMAT_NAME,
+            "format_version": C.FORMAT_VERSION,
+            "name": self.name,
+            "torch_version": self.torch_version,
+            "precompile_version": self.precompile_version,
+            "created": self.created,
+            "target": {
+                "device": self.target.device,
+                "cpu_capability": self.target.cpu_capability,
+                "aoti_cpu_isa": self.target.aoti_cpu_isa,
+                "platform": self.target.platform,
+                "machine": self.target.machine,
+            },
+            "inputs": [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape)} for i in self.inputs],
+            "dims": {k: {"min": r.min, "max": r.max} for k, r in self.dims.items()},
+            "output": self.output.to_dict(),
+            "variants": [v.to_dict() for v in self.variants],
+            "constants": {k: {"dtype": c.dtype, "shape": list(c.shape)} for k, c in sorted(self.constants.items())},
+            "files": {k: {"size": f.size, "sha256": f.sha256} for k, f in sorted(self.files.items())},
+            "check": self.check,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Typed accessors that raise ArtifactError with the key path of the offending value."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, where: str, what: str) -> ArtifactError:
+        return ArtifactError(f"{self.source}: {where}: {what}")
+
+    def obj(self, value: Any, where: str, keys: set[str], optional: set[str] = frozenset()) -> dict:
+        if not isinstance(value, dict):
+            raise self.fail(where, f"expected an object, got {_kind(value)}")
+        missing = keys - optional - value.keys()
+        if missing:
+            raise self.fail(where, f"missing key(s) {sorted(missing)}")
+        unknown = value.keys() - keys
+        if unknown:
+            raise self.fail(where, f"unknown key(s) {sorted(unknown)}")
+        return value
+
+    def str(self, value: Any, where: str, pattern: re.Pattern | None = None, choices=None) -> str:
+        if not isinstance(value, str):
+            raise self.fail(where, f"expected a string, got {_kind(value)}")
+        if len(value) > 4096:
+            raise self.fail(where, "string is longer than 4096 characters")
+        if pattern is not None and not pattern.match(value):
+            raise self.fail(where, f"{value!r} does not match {pattern.pattern}")
+        if choices is not None and value not in choices:
+            raise self.fail(where, f"{value!r} is not one of {list(choices)}")
+        return value
+
+    def int(self, value: Any, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(where, f"expected an integer, got {_kind(value)}")
+        if not lo <= value <= hi:
+            raise self.fail(where, f"{value} is outside [{lo}, {hi}]")
+        return value
+
+    def list(self, value: Any, where: str, max_len: int = 100_000) -> list:
+        if not isinstance(value, list):
+            raise self.fail(where, f"expected a list, got {_kind(value)}")
+        if len(value) > max_len:
+            raise self.fail(where, f"list has {len(value)} items, more than {max_len}")
+        return value
+
+    def dim_range(self, value: Any, where: str) -> DimRange:
+        pair = self.list(value, where, max_len=2)
+        if len(pair) != 2:
+            raise self.fail(where, "expected [min, max]")
+        lo, hi = self.int(pair[0], f"{where}[0]"), self.int(pair[1], f"{where}[1]")
+        if lo > hi:
+            raise self.fail(where, f"min {lo} > max {hi}")
+        return DimRange(lo, hi)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest:
+    """Parse and validate manifest bytes; raise ArtifactError naming the first problem."""
+    r = _Reader(source)
+    if len(data) > C.MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{source}: {len(data)} bytes, more than the {C.MAX_MANIFEST_BYTES} allowed")
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ArtifactError(f"{source}: not valid JSON ({e})") from None
+    top_keys = {
+        "format", "format_version", "name", "torch_version", "precompile_version", "created",
+        "target", "inputs", "dims", "output", "variants", "constants", "files", "check",
+    }
+    if isinstance(raw, dict) and raw.get("format") != C.FORMAT_NAME:
+        raise r.fail("format", f"{raw.get('format')!r} is not a precompile artifact (expected {C.FORMAT_NAME!r})")
+    raw = r.obj(raw, "manifest", top_keys, optional={"check"})
+    version = r.int(raw["format_version"], "format_version", 0, MAX_INT)
+    if version != C.FORMAT_VERSION:
+        raise r.fail(
+            "format_version",
+            f"version {version} is not supported by this loader (it reads version {C.FORMAT_VERSION}); "
+            "rebuild the artifact with a matching precompile or upgrade the loader",
+        )
+
+    t = r.obj(raw["target"], "target", {"device", "cpu_capability", "aoti_cpu_isa", "platform", "machine"})
+    target = Target(
+        device=r.str(t["device"], "target.device", choices=C.DEVICES),
+        cpu_capability=r.str(t["cpu_capability"], "target.cpu_capability"),
+        aoti_cpu_isa=r.str(t["aoti_cpu_isa"], "target.aoti_cpu_isa"),
+        platform=r.str(t["platform"], "target.platform"),
+        machine=r.str(t["machine"], "target.machine"),
+    )
+
+    dims_raw = r.obj(raw["dims"], "dims", set(raw["dims"]) if isinstance(raw["dims"], dict) else set())
+    dims: dict[str, DimRange] = {}
+    for name, value in dims_raw.items():
+        r.str(name, f"dims.{name}", IDENT_RE)
+        d = r.obj(value, f"dims.{name}", {"min", "max"})
+        dims[name] = r.dim_range([d["min"], d["max"]], f"dims.{name}")
+
+    inputs = []
+    for i, item in enumerate(r.list(raw["inputs"], "inputs", max_len=1024)):
+        where = f"inputs[{i}]"
+        d = r.obj(item, where, {"name", "dtype", "shape"})
+        shape = []
+        for j, s in enumerate(r.list(d["shape"], f"{where}.shape", max_len=64)):
+            if isinstance(s, str):
+                if s not in dims:
+                    raise r.fail(f"{where}.shape[{j}]", f"unknown dim {s!r}")
+                shape.append(s)
+            else:
+                shape.append(r.int(s, f"{where}.shape[{j}]"))
+        inputs.append(
+            InputSpec(
+                name=r.str(d["name"], f"{where}.name", IDENT_RE),
+                dtype=r.str(d["dtype"], f"{where}.dtype", choices=C.DTYPES),
+                shape=tuple(shape),
+            )
+        )
+    if len({i.name for i in inputs}) != len(inputs):
+        raise r.fail("inputs", "input names are not unique")
+
+    output = _parse_output(r, raw["output"], "output", depth=0)
+
+    files: dict[str, FileEntry] = {}
+    files_raw = raw["files"]
+    if not isinstance(files_raw, dict):
+        raise r.fail("files", f"expected an object, got {_kind(files_raw)}")
+    for path, entry in files_raw.items():
+        check_member_path(path, f"{source}: files")
+        e = r.obj(entry, f"files.{path}", {"size", "sha256"})
+        files[path] = FileEntry(
+            size=r.int(e["size"], f"files.{path}.size"), sha256=r.str(e["sha256"], f"files.{path}.sha256", SHA256_RE)
+        )
+    if C.WEIGHTS_FILE not in files:
+        raise r.fail("files", f"{C.WEIGHTS_FILE} is not listed")
+
+    constants: dict[str, ConstantSpec] = {}
+    consts_raw = raw["constants"]
+    if not isinstance(consts_raw, dict):
+        raise r.fail("constants", f"expected an object, got {_kind(consts_raw)}")
+    for cname, spec in consts_raw.items():
+        where = f"constants.{cname}"
+        c = r.obj(spec, where, {"dtype", "shape"})
+        cshape = tuple(r.int(s, f"{where}.shape[{j}]") for j, s in enumerate(r.list(c["shape"], f"{where}.shape", 64)))
+        constants[cname] = ConstantSpec(r.str(c["dtype"], f"{where}.dtype", choices=C.DTYPES), cshape)
+
+    variants = []
+    for i, item in enumerate(r.list(raw["variants"], "variants", max_len=4096)):
+        where = f"variants[{i}]"
+        v = r.obj(item, where, {"id", "kind", "file", "dims", "hint", "constants"})
+        vid = r.str(v["id"], f"{where}.id", VARIANT_ID_RE)
+        kind = r.str(v["kind"], f"{where}.kind", choices=C.VARIANT_KINDS)
+        file = r.str(v["file"], f"{where}.file")
+        if file not in files:
+            raise r.fail(f"{where}.file", f"{file!r} is not listed in files")
+        vdims_raw = v["dims"]
+        if not isinstance(vdims_raw, dict) or set(vdims_raw) != set(dims):
+            raise r.fail(f"{where}.dims", f"must give a range for exactly the dims {sorted(dims)}")
+        vdims = {}
+        for name, rng in vdims_raw.items():
+            vr = r.dim_range(rng, f"{where}.dims.{name}")
+            if vr.min < dims[name].min or vr.max > dims[name].max:
+                raise r.fail(f"{where}.dims.{name}", f"{vr} is outside the artifact's range {dims[name]}")
+            if kind == "static" and vr.min != vr.max:
+                raise r.fail(f"{where}.dims.{name}", "a static variant needs min == max")
+            vdims[name] = vr
+        hint_raw = v["hint"]
+        if not isinstance(hint_raw, dict) or set(hint_raw) != set(dims):
+            raise r.fail(f"{where}.hint", f"must give a size for exactly the dims {sorted(dims)}")
+        hint = {name: r.int(size, f"{where}.hint.{name}") for name, size in hint_raw.items()}
+        consts = tuple(r.str(c, f"{where}.constants[{j}]") for j, c in enumerate(r.list(v["constants"], f"{where}.constants")))
+        for c in consts:
+            if c not in constants:
+                raise r.fail(f"{where}.constants", f"{c!r} is not declared in constants")
+        variants.append(Variant(vid, kind, file, vdims, hint, consts))
+    if not variants:
+        raise r.fail("variants", "the artifact has no variants")
+    if len({v.id for v in variants}) != len(variants):
+        raise r.fail("variants", "variant ids are not unique")
+
+    check = raw.get("check", {})
+    if not isinstance(check, dict):
+        raise r.fail("check", f"expected an object, got {_kind(check)}")
+
+    return Manifest(
+        name=r.str(raw["name"], "name", NAME_RE),
+        torch_version=r.str(raw["torch_version"], "torch_version"),
+        precompile_version=r.str(raw["precompile_version"], "precompile_version"),
+        created=r.str(raw["created"], "created"),
+        target=target,
+        inputs=tuple(inputs),
+        dims=dims,
+        output=output,
+        variants=tuple(variants),
+        constants=constants,
+        files=files,
+        check=check,
+    )
+
+
+def _parse_output(r: _Reader, value: Any, where: str, depth: int) -> OutputSpec:
+    if depth > 32:
+        raise r.fail(where, "output structure is nested more than 32 levels")
+    if not isinstance(value, dict):
+        raise r.fail(where, f"expected an object, got {_kind(value)}")
+    kind = r.str(value.get("kind"), f"{where}.kind", choices=("tensor", "tuple", "list", "dict"))
+    if kind == "tensor":
+        r.obj(value, where, {"kind"})
+        return OutputSpec("tensor")
+    keys_expected = {"kind", "items", "keys"} if kind == "dict" else {"kind", "items"}
+    r.obj(value, where, keys_expected)
+    items = tuple(
+        _parse_output(r, item, f"{where}.items[{i}]", depth + 1)
+        for i, item in enumerate(r.list(value["items"], f"{where}.items", max_len=4096))
+    )
+    keys: tuple[str, ...] = ()
+    if kind == "dict":
+        keys = tuple(r.str(k, f"{where}.keys[{i}]") for i, k in enumerate(r.list(value["keys"], f"{where}.keys")))
+        if len(keys) != len(items) or len(set(keys)) != len(keys):
+            raise r.fail(f"{where}.keys", "need one unique key per item")
+    return OutputSpec(kind, items, keys)
+
+
+def check_member_path(path: str, where: str) -> None:
+    """Refuse paths that could leave the artifact folder: absolute, '..', backslashes, empty parts."""
+    parts = path.split("/") if isinstance(path, str) else []
+    if (
+        not parts
+        or len(path) > 255
+        or path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise ArtifactError(f"{where}: unsafe file path {path!r}")

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from . import main, user_errors
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@user_errors
+def inspect(artifact: Path, as_json: bool) -> None:
+    """Show what an artifact holds: target, torch, inputs and dim ranges, variants, files."""
+    from loader.artifact import read_manifest
+
+    manifest = read_manifest(artifact)
+    if as_json:
+        click.echo(json.dumps(manifest.to_dict(), indent=2))
+        return
+    click.echo(describe(manifest))
+
+
+def describe(manifest) -> str:
+    t = manifest.target
+    lines = [
+        f"name      {manifest.name}",
+        f"target    {t.device} ({t.cpu_capability}; {t.platform}/{t.machine})",
+        f"torch     {manifest.torch_version}   precompile {manifest.precompile_version}   built {manifest.created}",
+        "inputs",
+    ]
+    for spec in manifest.inputs:
+        lines.append(f"  {spec.name:<12} {spec.dtype:<9} [{', '.join(str(s) for s in spec.shape)}]")
+    lines.append("dims")
+    for d, r in manifest.dims.items():
+        lines.append(f"  {d:<12} {r}")
+    lines.append("variants")
+    for v in manifest.variants:
+        ranges = ", ".join(f"{d}={r.min}" if r.min == r.max else f"{d} {r}" for d, r in v.dims.items())
+        lines.append(f"  {v.id:<12} {v.kind:<8} {ranges}")
+    lines.append("files")
+    for path, entry in manifest.files.items():
+        lines.append(f"  {path:<32} {_size(entry.size):>10}  sha256:{entry.sha256[:12]}")
+    if manifest.check:
+        lines.append(f"check     {manifest.check.get('shapes')} shapes, max abs error {manifest.check.get('max_abs_error', 0):.2e}")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

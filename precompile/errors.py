@@ -1,0 +1,35 @@
+"""The build side's exceptions. A PrecompileError is the user's to fix: the CLI prints its message
+and exits 1 without a traceback. Anything else escaping is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+
+class PrecompileError(Exception):
+    """A problem the user can fix (profile, model, options); the message says where and what to do."""
+
+
+class ProfileError(PrecompileError):
+    """The profile is invalid. ``problems`` holds (place, message) pairs, one per problem."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s)" if len(problems) > 1 else f"{source}: invalid profile"]
+        lines += [f"  {place}: {message}" if place else f"  {message}" for place, message in problems]
+        super().__init__("\n".join(lines))
+
+
+class ModelError(PrecompileError):
+    """The model could not be built, loaded with its weights, or run eagerly on sample inputs."""
+
+
+class ExportError(PrecompileError):
+    """torch.export failed; the message names the dims involved and what to change."""
+
+
+class CompileError(PrecompileError):
+    """AOTInductor failed to compile an exported program."""
+
+
+class CheckError(PrecompileError):
+    """The compiled code disagrees with eager beyond tolerance."""

@@ -1,0 +1,249 @@
+"""Profiles: the YAML file that says what to build. Parsed into pydantic models (extra keys refused),
+then checked as a whole; every problem is reported as ``place: message``.
+
+    name: text-classifier
+    model: {factory: "models:text_classifier"}
+    inputs:
+      ids:  {shape: [batch, seq], dtype: int64, range: [0, 999]}
+      mask: {shape: [batch, seq], dtype: bool}
+    dims:
+      batch: {min: 1, max: 64}
+      seq:   {min: 8, max: 512}
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from loader.constants import DTYPES
+
+from .errors import ProfileError
+
+Dtype = Literal[DTYPES]  # type: ignore[valid-type]
+
+# Inductor options precompile sets itself; a profile may not override them.
+MANAGED_INDUCTOR_OPTIONS = {
+    "aot_inductor.package": "precompile always writes an AOTInductor package",
+    "aot_inductor.package_cpp_only": "precompile needs the compiled library, not C++ sources",
+    "aot_inductor.output_path": "the artifact's layout is precompile's",
+    "aot_inductor.package_constants_in_so": "weights are kept out of the library and stored once, memory-mapped",
+    "aot_inductor.package_constants_on_disk_format": "precompile extracts the weights itself",
+}
+
+# Default comparison tolerance against eager, per output dtype (atol, rtol).
+DEFAULT_TOLERANCE = {
+    "float64": (1e-7, 1e-7),
+    "float32": (1e-4, 1e-4),
+    "float16": (1e-2, 1e-2),
+    "bfloat16": (5e-2, 5e-2),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    factory: str = Field(
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
+        description='"module:callable" returning a torch.nn.Module; the profile\'s folder is on sys.path while importing',
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the factory")
+    weights: Optional[str] = Field(
+        default=None, description=".safetensors file relative to the profile, loaded with strict=True"
+    )
+
+
+class InputSpec(_Strict):
+    shape: list[Union[str, int]] = Field(description="per axis: a dim name from `dims`, or an int for a static size")
+    dtype: Dtype = Field(description="torch dtype name")
+    range: Optional[tuple[float, float]] = Field(
+        default=None,
+        description="inclusive [low, high] of sample values (ints: integers drawn uniformly; floats: uniform)",
+    )
+
+
+class DimSpec(_Strict):
+    min: int = Field(ge=0, description="smallest size served")
+    max: int = Field(ge=1, description="largest size served")
+    hint: Optional[int] = Field(
+        default=None, ge=2, description="size to export and tune with (default: geometric mean of min and max, at least 2)"
+    )
+
+
+class CompileSpec(_Strict):
+    inductor: dict[str, Any] = Field(
+        default_factory=dict, description="Inductor options passed through, e.g. {freezing: true}"
+    )
+
+
+class CheckSpec(_Strict):
+    atol: Optional[float] = Field(default=None, ge=0, description="absolute tolerance (default per output dtype)")
+    rtol: Optional[float] = Field(default=None, ge=0, description="relative tolerance (default per output dtype)")
+    random_shapes: int = Field(default=4, ge=0, le=100, description="random shapes checked besides the range ends")
+    seed: int = Field(default=0, description="seed for sample inputs and random shapes")
+
+
+class Profile(_Strict):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", description="artifact name")
+    model: ModelSpec
+    inputs: dict[str, InputSpec] = Field(description="inputs in forward() order")
+    dims: dict[str, DimSpec] = Field(default_factory=dict, description="every dim name used in an input shape")
+    target: Literal["cpu", "cuda"] = Field(default="cpu", description="device the code is compiled for")
+    compile: CompileSpec = Field(default_factory=CompileSpec)
+    check: CheckSpec = Field(default_factory=CheckSpec)
+
+    def hint(self, dim: str) -> int:
+        """The size a dim is exported with: ≥ 2, since torch.export specializes sizes 0 and 1."""
+        spec = self.dims[dim]
+        if spec.hint is not None:
+            return spec.hint
+        return max(2, min(spec.max, round(math.sqrt(max(spec.min, 1) * spec.max))))
+
+    def tolerance(self, dtype: str) -> tuple[float, float]:
+        atol, rtol = DEFAULT_TOLERANCE.get(dtype, (0.0, 0.0))
+        return (self.check.atol if self.check.atol is not None else atol, self.check.rtol if self.check.rtol is not None else rtol)
+
+
+class LoadedProfile(BaseModel):
+    """A valid profile and the folder it came from (model imports and weights are relative to it)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    profile: Profile
+    path: Path
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+
+def json_schema() -> dict[str, Any]:
+    schema = Profile.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "precompile profile"
+    return schema
+
+
+def load_profile(path: str | Path) -> LoadedProfile:
+    """Read, parse and check a profile file; raise ProfileError listing every problem found."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileError(source, [("", "file not found")]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(source, [("", f"cannot read: {e}")]) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ProfileError(source, [(where, f"not valid YAML: {getattr(e, 'problem', None) or e}")]) from None
+    if not isinstance(raw, dict):
+        raise ProfileError(source, [("", "a profile is a YAML mapping (name:, model:, inputs:, dims:)")])
+    try:
+        profile = Profile.model_validate(raw)
+    except ValidationError as e:
+        raise ProfileError(source, [(_place(err["loc"]), _message(err)) for err in e.errors()]) from None
+    problems = semantic_problems(profile) + inductor_option_problems(profile.compile.inductor)
+    if profile.model.weights is not None and not (path.parent / profile.model.weights).is_file():
+        problems.append(("model.weights", f"file not found: {path.parent / profile.model.weights}"))
+    if problems:
+        raise ProfileError(source, problems)
+    return LoadedProfile(profile=profile, path=path.resolve())
+
+
+def _place(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _message(err: dict) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    if err["type"] == "literal_error":
+        return f"{err['input']!r} is not one of: {err['ctx']['expected']}"
+    return err["msg"]
+
+
+def semantic_problems(profile: Profile) -> list[tuple[str, str]]:
+    """Problems that span fields: dims used but undeclared, declared but unused, empty ranges."""
+    problems = []
+    known = ", ".join(profile.dims) or "none declared"
+    used = set()
+    if not profile.inputs:
+        problems.append(("inputs", "at least one input is needed"))
+    for name, spec in profile.inputs.items():
+        if not name.isidentifier():
+            problems.append((f"inputs.{name}", "input names must be Python identifiers (forward() argument names)"))
+        for axis, s in enumerate(spec.shape):
+            if isinstance(s, str):
+                if s not in profile.dims:
+                    problems.append((f"inputs.{name}.shape[{axis}]", f"unknown dim {s!r} (known: {known})"))
+                used.add(s)
+            elif s < 0:
+                problems.append((f"inputs.{name}.shape[{axis}]", f"static size {s} is negative"))
+        if spec.range is not None and spec.range[0] > spec.range[1]:
+            problems.append((f"inputs.{name}.range", f"low {spec.range[0]} > high {spec.range[1]}"))
+    for name, dim in profile.dims.items():
+        if not name.isidentifier():
+            problems.append((f"dims.{name}", "dim names must be identifiers"))
+        if dim.min > dim.max:
+            problems.append((f"dims.{name}", f"min {dim.min} > max {dim.max}"))
+        elif dim.hint is not None and not dim.min <= dim.hint <= dim.max:
+            problems.append((f"dims.{name}.hint", f"{dim.hint} is outside [{dim.min}, {dim.max}]"))
+        elif dim.max < 2 and dim.min != dim.max:
+            problems.append((f"dims.{name}", "a range within [0, 1] cannot be exported dynamically; use a static size"))
+        if name not in used:
+            problems.append((f"dims.{name}", "declared but used in no input shape"))
+    if profile.target == "cuda":
+        problems.append(("target", "cuda is not built yet by this version of precompile; use target: cpu"))
+    return problems
+
+
+def inductor_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
+    """Check Inductor options against the installed torch's option names and types."""
+    if not options:
+        return []
+    import torch._inductor.config as inductor_config  # build side only: costs about 1 s
+
+    known = inductor_config.get_config_copy()
+    problems = []
+    for key, value in options.items():
+        place = f"compile.inductor.{key}"
+        if key in MANAGED_INDUCTOR_OPTIONS:
+            problems.append((place, f"set by precompile, not by profiles: {MANAGED_INDUCTOR_OPTIONS[key]}"))
+        elif key not in known:
+            close = [k for k in known if k.split(".")[-1] == key.split(".")[-1]][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            problems.append((place, f"unknown Inductor option in torch {_torch_version()}{hint}"))
+        else:
+            default = known[key]
+            if default is not None and not _same_type(default, value):
+                problems.append((place, f"expected {type(default).__name__}, got {type(value).__name__} {value!r}"))
+    return problems
+
+
+def _same_type(default: Any, value: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

@@ -1,0 +1,68 @@
+"""Shared fixtures. AOTInductor compiles cost 5-30 s each on 2 cores, so every artifact the suite
+needs is built once per session here and shared by the tests that read it."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from precompile.build import build
+from precompile.cli import main
+
+MODELS = Path(__file__).parent / "models" / "tiny.py"
+
+CLASSIFIER_PROFILE = """
+name: tiny-classifier
+model: {factory: "tiny:classifier", kwargs: {vocab: 50, width: 16}}
+inputs:
+  ids:  {shape: [batch, seq], dtype: int64, range: [0, 49]}
+  mask: {shape: [batch, seq], dtype: bool}
+dims:
+  batch: {min: 1, max: 8}
+  seq:   {min: 2, max: 48}
+check: {random_shapes: 6}
+"""
+
+STRUCTURED_PROFILE = """
+name: tiny-structured
+model: {factory: "tiny:structured"}
+inputs:
+  x: {shape: [batch, 8], dtype: float32}
+dims:
+  batch: {min: 1, max: 32}
+"""
+
+
+def write_profile(folder: Path, text: str, name: str = "profile.yaml") -> Path:
+    """Write a profile beside a copy of tests/models/tiny.py (its factories are importable as tiny:...)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(MODELS, folder / "tiny.py")
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture(scope="session")
+def classifier_artifact(tmp_path_factory) -> Path:
+    """Built through the CLI, so the command's happy path is exercised too."""
+    folder = tmp_path_factory.mktemp("classifier")
+    profile = write_profile(folder, CLASSIFIER_PROFILE)
+    out = folder / "artifact"
+    result = CliRunner().invoke(main, ["build", str(profile), "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="session")
+def classifier_profile(classifier_artifact) -> Path:
+    return classifier_artifact.parent / "profile.yaml"
+
+
+@pytest.fixture(scope="session")
+def structured_artifact(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("structured")
+    return build(write_profile(folder, STRUCTURED_PROFILE), folder / "artifact").path

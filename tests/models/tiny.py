@@ -1,0 +1,97 @@
+"""Tiny real models for the test suite (each compiles in seconds)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Classifier(nn.Module):
+    """Two inputs sharing batch and seq; returns one tensor."""
+
+    def __init__(self, vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.mix(self.embed(ids)))
+        m = mask.unsqueeze(-1).to(x.dtype)
+        return self.head((x * m).sum(1) / m.sum(1).clamp(min=1.0))
+
+
+class Structured(nn.Module):
+    """One float input with a static axis; returns a dict holding a tensor and a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor):
+        h = self.a(x)
+        return {"hidden": h, "pair": (self.b(x).softmax(-1), h.sum(-1))}
+
+
+class Noisy(nn.Module):
+    """Compiled and eager outputs differ (fresh noise each call): the check stage must refuse it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.rand_like(x)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.lin(x)
+        return -x
+
+
+class Specializes(nn.Module):
+    """Works only when seq is 16: torch.export pins the dim to that size."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.reshape(x.shape[0], 16))
+
+
+def classifier(**kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    return Classifier(**kwargs)
+
+
+def structured() -> nn.Module:
+    torch.manual_seed(1)
+    return Structured()
+
+
+def noisy() -> nn.Module:
+    return Noisy()
+
+
+def data_dependent() -> nn.Module:
+    return DataDependent()
+
+
+def specializes() -> nn.Module:
+    return Specializes()
+
+
+def broken() -> nn.Module:
+    raise RuntimeError("factory exploded")
+
+
+def not_a_module():
+    return 42

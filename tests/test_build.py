@@ -1,0 +1,138 @@
+"""Build: the compiled artifact agrees with eager, and failures leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import loader
+from precompile.build import build
+from precompile.cli import main
+from precompile.errors import CheckError, ExportError
+from precompile.profile import load_profile
+from precompile.resolve import resolve_model
+from precompile.samples import make_inputs
+
+from .conftest import write_profile
+
+
+def test_manifest_describes_the_artifact(classifier_artifact):
+    manifest = json.loads((classifier_artifact / "manifest.json").read_text())
+    assert manifest["format"] == "precompile-artifact" and manifest["format_version"] == 1
+    assert manifest["name"] == "tiny-classifier"
+    assert manifest["torch_version"] == torch.__version__
+    assert manifest["target"]["device"] == "cpu"
+    assert manifest["target"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert [i["name"] for i in manifest["inputs"]] == ["ids", "mask"]
+    assert manifest["dims"] == {"batch": {"min": 1, "max": 8}, "seq": {"min": 2, "max": 48}}
+    assert set(manifest["files"]) == {"weights.safetensors", "variants/dynamic.pt2"}
+    assert manifest["check"]["shapes"] >= 10
+
+
+def test_weights_are_stored_once_outside_the_compiled_code(classifier_artifact, classifier_profile):
+    eager = resolve_model(load_profile(classifier_profile))
+    embed = eager.embed.weight.detach().numpy().tobytes()
+    package = (classifier_artifact / "variants" / "dynamic.pt2").read_bytes()
+    weights = (classifier_artifact / "weights.safetensors").read_bytes()
+    assert embed[:256] not in package
+    assert embed in weights
+    assert "embed.weight" in json.loads((classifier_artifact / "manifest.json").read_text())["constants"]
+
+
+def test_compiled_matches_eager_on_random_shapes_and_range_ends(classifier_artifact, classifier_profile):
+    loaded = load_profile(classifier_profile)
+    eager = resolve_model(loaded)
+    model = loader.load(classifier_artifact)
+    shapes = [(1, 2), (8, 48), (1, 48), (8, 2)] + [
+        (int(b), int(s)) for b, s in zip(torch.randint(1, 9, (8,), generator=torch.Generator().manual_seed(3)),
+                                          torch.randint(2, 49, (8,), generator=torch.Generator().manual_seed(4)))
+    ]
+    assert len(shapes) >= 10
+    for batch, seq in shapes:
+        ids, mask = make_inputs(loaded.profile, {"batch": batch, "seq": seq}, seed=batch * 100 + seq)
+        with torch.no_grad():
+            want = eager(ids, mask)
+        got = model(ids, mask)
+        assert got.shape == (batch, 3)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(ids=ids, mask=mask), got)
+
+
+def test_dict_and_tuple_outputs_keep_their_structure(structured_artifact):
+    torch.manual_seed(1)
+    from tests.models.tiny import Structured
+
+    eager = Structured().eval()
+    model = loader.load(structured_artifact)
+    x = torch.randn(5, 8)
+    got = model(x)
+    want = eager(x)
+    assert set(got) == {"hidden", "pair"} and isinstance(got["pair"], tuple) and len(got["pair"]) == 2
+    torch.testing.assert_close(got["hidden"], want["hidden"].detach())
+    torch.testing.assert_close(got["pair"][0], want["pair"][0].detach())
+    torch.testing.assert_close(got["pair"][1], want["pair"][1].detach())
+
+
+def test_check_failure_leaves_previous_artifact_untouched(tmp_path, structured_artifact):
+    target = tmp_path / "artifact"
+    shutil.copytree(structured_artifact, target)
+    before = {p.name: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    profile = write_profile(tmp_path, """
+        name: noisy
+        model: {factory: "tiny:noisy"}
+        inputs: {x: {shape: [batch, 8], dtype: float32}}
+        dims: {batch: {min: 1, max: 4}}
+    """)
+    with pytest.raises(CheckError, match="compiled differs from eager beyond tolerance"):
+        build(profile, target)
+    assert {p.name: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
+    assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
+
+
+def test_export_failure_names_dim_and_leaves_nothing(tmp_path):
+    profile = write_profile(tmp_path, """
+        name: specializes
+        model: {factory: "tiny:specializes"}
+        inputs: {x: {shape: [batch, seq], dtype: float32}}
+        dims: {batch: {min: 1, max: 4}, seq: {min: 2, max: 32, hint: 16}}
+    """)
+    with pytest.raises(ExportError) as info:
+        build(profile, tmp_path / "out")
+    text = str(info.value)
+    assert "dims involved: seq [2, 32]" in text
+    assert "what to change:" in text and "dims.seq" in text
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
+
+
+def test_data_dependent_control_flow_is_explained(tmp_path):
+    profile = write_profile(tmp_path, """
+        name: branchy
+        model: {factory: "tiny:data_dependent"}
+        inputs: {x: {shape: [batch, 8], dtype: float32}}
+        dims: {batch: {min: 1, max: 4}}
+    """)
+    result = CliRunner().invoke(main, ["build", str(profile), "-o", str(tmp_path / "out")], catch_exceptions=False)
+    assert result.exit_code == 1
+    assert "torch.export failed" in result.output
+    assert "data-dependent control flow" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_refuses_to_replace_a_folder_that_is_not_an_artifact(tmp_path):
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    profile = write_profile(tmp_path, """
+        name: x
+        model: {factory: "tiny:structured"}
+        inputs: {x: {shape: [batch, 8], dtype: float32}}
+        dims: {batch: {min: 1, max: 4}}
+    """)
+    result = CliRunner().invoke(main, ["build", str(profile), "-o", str(target)], catch_exceptions=False)
+    assert result.exit_code == 1 and "is not a precompile artifact; refusing to replace it" in result.output
+    assert (target / "notes.txt").read_text() == "keep me"

@@ -1,0 +1,53 @@
+"""The CLI is a thin skin: help for every command, exit codes, and readable output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from precompile import __version__
+from precompile.cli import main
+
+COMMANDS = sorted(main.commands)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0
+    first_line = main.commands[command].help.split("\n")[0]
+    assert " ".join(first_line.split()) in " ".join(result.output.split())
+
+
+def test_version():
+    assert invoke("--version").output.strip() == f"precompile, version {__version__}"
+
+
+def test_bad_flag_exits_2():
+    assert invoke("build", "--no-such-flag", "x.yaml").exit_code == 2
+
+
+def test_inspect_shows_inputs_ranges_and_files(classifier_artifact):
+    result = invoke("inspect", str(classifier_artifact))
+    assert result.exit_code == 0
+    assert "tiny-classifier" in result.output
+    assert "ids          int64     [batch, seq]" in result.output
+    assert "seq          [2, 48]" in result.output
+    assert "variants/dynamic.pt2" in result.output and "weights.safetensors" in result.output
+
+
+def test_inspect_json_is_the_manifest(classifier_artifact):
+    result = invoke("inspect", str(classifier_artifact), "--json")
+    assert json.loads(result.output) == json.loads((classifier_artifact / "manifest.json").read_text())
+
+
+def test_inspect_missing_artifact_is_a_clean_error(tmp_path):
+    result = invoke("inspect", str(tmp_path / "nope"))
+    assert result.exit_code == 1
+    assert "no such artifact" in result.output and "Traceback" not in result.output
