@@ -11,7 +11,6 @@ from loader.manifest import OutputSpec
 
 from .errors import CheckError, ModelError
 from .profile import Profile
-from .samples import make_inputs
 
 
 def output_spec(value: Any, where: str = "output") -> OutputSpec:
@@ -91,6 +90,3 @@ def compare(profile: Profile, eager: Any, compiled: Any, sizes: dict[str, int], 
     report.max_abs_error = max(report.max_abs_error, worst)
     report.per_shape.append({"variant": variant, "dims": dict(sizes), "max_abs_error": worst})
 
-
-def sample_call(profile: Profile, sizes: dict[str, int], seed: int) -> tuple:
-    return make_inputs(profile, sizes, seed=seed)
