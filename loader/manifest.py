@@ -8,6 +8,7 @@ dataclasses and calls ``Manifest.to_json()``, so writer and reader cannot drift 
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from dataclasses import dataclass, field
@@ -121,6 +122,8 @@ class Manifest:
     constants: dict[str, ConstantSpec]
     files: dict[str, FileEntry]
     check: dict[str, Any] = field(default_factory=dict)
+    version: int = 1  # increases with every release of the same name; loaders can refuse rollbacks
+    expires: str | None = None  # ISO 8601 date-time after which loaders refuse the artifact
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +147,8 @@ class Manifest:
             "constants": {k: {"dtype": c.dtype, "shape": list(c.shape)} for k, c in sorted(self.constants.items())},
             "files": {k: {"size": f.size, "sha256": f.sha256} for k, f in sorted(self.files.items())},
             "check": self.check,
+            "version": self.version,
+            "expires": self.expires,
         }
 
     def to_json(self) -> str:
@@ -225,11 +230,11 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         raise ArtifactError(f"{source}: not valid JSON ({e})") from None
     top_keys = {
         "format", "format_version", "name", "torch_version", "precompile_version", "created",
-        "target", "inputs", "dims", "output", "variants", "constants", "files", "check",
+        "target", "inputs", "dims", "output", "variants", "constants", "files", "check", "version", "expires",
     }
     if isinstance(raw, dict) and raw.get("format") != C.FORMAT_NAME:
         raise r.fail("format", f"{raw.get('format')!r} is not a precompile artifact (expected {C.FORMAT_NAME!r})")
-    raw = r.obj(raw, "manifest", top_keys, optional={"check"})
+    raw = r.obj(raw, "manifest", top_keys, optional={"check", "version", "expires"})
     version = r.int(raw["format_version"], "format_version", 0, MAX_INT)
     if version != C.FORMAT_VERSION:
         raise r.fail(
@@ -352,7 +357,22 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         constants=constants,
         files=files,
         check=check,
+        version=r.int(raw.get("version", 1), "version", 1),
+        expires=_expires(r, raw.get("expires")),
     )
+
+
+def _expires(r: _Reader, value: Any) -> str | None:
+    if value is None:
+        return None
+    text = r.str(value, "expires")
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise r.fail("expires", f"{text!r} is not an ISO 8601 date-time") from None
+    if moment.tzinfo is None:
+        raise r.fail("expires", f"{text!r} needs a time zone (e.g. 2027-01-01T00:00:00+00:00)")
+    return text
 
 
 def _parse_output(r: _Reader, value: Any, where: str, depth: int) -> OutputSpec:

@@ -8,6 +8,8 @@ on a small host), and the weights are handed over as views of one memory map, sh
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,10 @@ from .guards import TORCH_DTYPES, InputGuard
 from .host import check_compatible
 from .manifest import Manifest, OutputSpec, Variant
 from .weights import MappedWeights
+
+
+# Distinct shapes remembered by stats(); beyond this, calls are counted in shapes_not_tracked.
+MAX_SHAPES_TRACKED = 10_000
 
 
 def _open_package(path: str) -> Any:
@@ -55,6 +61,8 @@ class CompiledModel:
         self._dynamic = [(v, runners[v.id], [(d, v.dims[d].min, v.dims[d].max) for d in self._dim_order]) for v in dynamic]
         self._output = manifest.output
         self._single_tensor = manifest.output.kind == "tensor"
+        self._stats_lock = threading.Lock()
+        self.reset_stats()
 
     @property
     def name(self) -> str:
@@ -85,9 +93,63 @@ class CompiledModel:
         return self._outputs(self._runners[variant_id].run(tensors))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_detailed(*args, **kwargs)[0]
+
+    def call_detailed(self, *args: Any, **kwargs: Any) -> tuple[Any, str]:
+        """Like calling the model, and also say which variant served the call."""
         tensors, sizes = self._guard.check(args, kwargs)
-        _, runner = self._dispatch(sizes)
-        return self._outputs(runner.run(tensors))
+        variant, runner = self._dispatch(sizes)
+        start = time.perf_counter()
+        outputs = runner.run(tensors)
+        self._record(variant.id, tuple(sizes[d] for d in self._dim_order), time.perf_counter() - start)
+        return self._outputs(outputs), variant.id
+
+    def _record(self, variant_id: str, key: tuple[int, ...], seconds: float) -> None:
+        with self._stats_lock:
+            entry = self._calls[variant_id]
+            entry[0] += 1
+            entry[1] += seconds
+            count = self._shapes.get(key)
+            if count is not None:
+                self._shapes[key] = count + 1
+            elif len(self._shapes) < MAX_SHAPES_TRACKED:
+                self._shapes[key] = 1
+            else:
+                self._shapes_dropped += 1
+
+    def stats(self) -> dict[str, Any]:
+        """Calls and compute time per variant, and the histogram of shapes seen.
+
+        ``shapes`` uses the ``{"dims": {...}, "count": N}`` form that a profile's
+        ``distribution.file`` reads (one object a line), so serving traffic can feed the next build.
+        """
+        with self._stats_lock:
+            return {
+                "variants": {vid: {"calls": c, "seconds": s} for vid, (c, s) in self._calls.items()},
+                "shapes": [
+                    {"dims": dict(zip(self._dim_order, key)), "count": n}
+                    for key, n in sorted(self._shapes.items(), key=lambda kv: (-kv[1], kv[0]))
+                ],
+                "shapes_not_tracked": self._shapes_dropped,
+            }
+
+    def reset_stats(self) -> None:
+        with self._stats_lock:
+            self._calls = {vid: [0, 0.0] for vid in self._runners}
+            self._shapes = {}
+            self._shapes_dropped = 0
+
+    def warmup(self) -> None:
+        """Run every variant once on its hint shape, so the first real request meets warm code.
+
+        Warm-up calls are not counted in ``stats()``.
+        """
+        for v in self.manifest.variants:
+            args = [
+                torch.zeros([v.hint[s] if isinstance(s, str) else s for s in spec.shape], dtype=TORCH_DTYPES[spec.dtype])
+                for spec in self.manifest.inputs
+            ]
+            self.run_variant(v.id, *args)
 
     def _outputs(self, outputs: list) -> Any:
         if self._single_tensor:

@@ -89,6 +89,39 @@ class CheckSpec(_Strict):
     seed: int = Field(default=0, description="seed for sample inputs and random shapes")
 
 
+class DistributionSpec(_Strict):
+    shapes: list[dict[str, int]] = Field(
+        default_factory=list, description="observed shapes, each {<dim>: size, ..., count: N}"
+    )
+    file: Optional[str] = Field(
+        default=None,
+        description='JSON-lines file relative to the profile, one {"dims": {...}, "count": N} a line (what model.stats() and the server record)',
+    )
+
+
+class OutputDecl(_Strict):
+    shape: list[Union[str, int]] = Field(description="per axis: a dim name it follows, or an int / any other name")
+
+
+class PlanSpec(_Strict):
+    max_specialized: int = Field(default=4, ge=0, le=64, description="at most this many static-shape variants")
+    coverage: float = Field(
+        default=0.8, ge=0, le=1, description="stop adding static variants once they serve this share of traffic"
+    )
+    ranges: dict[str, list[int]] = Field(
+        default_factory=dict, description="split points per dim: one dynamic variant per sub-range"
+    )
+    measure: bool = Field(default=False, description="time static candidates at build time, keep those that pay")
+    min_speedup: float = Field(default=1.05, ge=1.0, description="with measure: minimum speedup over the dynamic variant")
+
+
+class PolicySpec(_Strict):
+    out_of_range: dict[str, Literal["error", "pad", "split"]] = Field(
+        default_factory=dict, description="per dim, for sizes no variant covers: error (default) | pad | split"
+    )
+    pad_value: dict[str, float] = Field(default_factory=dict, description="per input, the value pad fills with")
+
+
 class Profile(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", description="artifact name")
     model: ModelSpec
@@ -97,6 +130,12 @@ class Profile(_Strict):
     target: Literal["cpu", "cuda"] = Field(default="cpu", description="device the code is compiled for")
     compile: CompileSpec = Field(default_factory=CompileSpec)
     check: CheckSpec = Field(default_factory=CheckSpec)
+    distribution: DistributionSpec = Field(default_factory=DistributionSpec, description="observed traffic")
+    outputs: Optional[list[OutputDecl]] = Field(
+        default=None, description="flat outputs in order; named dims say which output axes follow input dims (pad/split)"
+    )
+    plan: PlanSpec = Field(default_factory=PlanSpec)
+    policy: PolicySpec = Field(default_factory=PolicySpec)
 
     def hint(self, dim: str) -> int:
         """The size a dim is exported with: ≥ 2, since torch.export specializes sizes 0 and 1."""
