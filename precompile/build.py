@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import platform
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,12 +18,12 @@ import torch
 import loader
 from loader import constants as C
 from loader.host import cpu_capability
-from loader.manifest import DimRange, InputSpec, Manifest, Target, Variant
+from loader.manifest import DimRange, InputSpec, Manifest, Target, Variant, parse_manifest
 
 from . import __version__
 from .check import CheckReport, compare, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
-from .errors import CompileError
+from .errors import CompileError, PrecompileError
 from .export import export_hints, export_model
 from .plan import VariantPlan, default_plan
 from .profile import LoadedProfile, load_profile
@@ -40,13 +40,23 @@ class BuildResult:
     check: CheckReport
 
 
-def build(profile_path: str | Path, output: str | Path | None = None, *, progress: Progress | None = None) -> BuildResult:
+def build(
+    profile_path: str | Path,
+    output: str | Path | None = None,
+    *,
+    progress: Progress | None = None,
+    version: int = 1,
+    expires: str | None = None,
+) -> BuildResult:
     """Build the artifact a profile describes; return where it is and what was checked.
 
-    ``output`` defaults to ``artifacts/<name>``. Raises a PrecompileError subclass for anything the
+    ``output`` defaults to ``artifacts/<name>``. ``version`` (increasing per release of a name) and
+    ``expires`` (ISO 8601 with a time zone) go into the manifest for the loader's rollback and
+    expiry checks. Raises a PrecompileError subclass for anything the
     user can fix; on any failure nothing is left at ``output`` but what was there before.
     """
     progress = progress or Progress()
+    _check_expires(expires)
     with progress.stage("profile", str(profile_path)):
         loaded = load_profile(profile_path)
     profile = loaded.profile
@@ -73,7 +83,13 @@ def build(profile_path: str | Path, output: str | Path | None = None, *, progres
             manifest = _assemble(loaded, staging, packages, out_spec)
         with progress.stage("check", "compiled vs eager"):
             report = check_artifact(loaded, model, staging, plan)
-        manifest = _with_check(manifest, report)
+        manifest = replace(
+            manifest,
+            check={"shapes": report.shapes, "max_abs_error": report.max_abs_error},
+            version=version,
+            expires=expires,
+        )
+        parse_manifest(manifest.to_json())  # the loader must accept what we write
         write_manifest(staging, manifest.to_json())
         publish(staging, target)
     finally:
@@ -144,10 +160,15 @@ def check_artifact(loaded: LoadedProfile, model: torch.nn.Module, folder: Path, 
     return report
 
 
-def _with_check(manifest: Manifest, report: CheckReport) -> Manifest:
-    from dataclasses import replace
-
-    return replace(manifest, check={"shapes": report.shapes, "max_abs_error": report.max_abs_error})
+def _check_expires(expires: str | None) -> None:
+    if expires is None:
+        return
+    try:
+        moment = datetime.datetime.fromisoformat(expires)
+    except ValueError:
+        raise PrecompileError(f"--expires: {expires!r} is not an ISO 8601 date-time") from None
+    if moment.tzinfo is None:
+        raise PrecompileError(f"--expires: {expires!r} needs a time zone, e.g. {expires}+00:00")
 
 
 def _describe(ranges: dict[str, tuple[int, int]]) -> str:
