@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: venv
-	$(VENV)/bin/precompile build profiles/examples/text_classifier.yaml -o artifacts/text-classifier
+	$(VENV)/bin/precompile plan profiles/examples/text_classifier_planned.yaml
+	$(VENV)/bin/precompile build profiles/examples/text_classifier_planned.yaml -o artifacts/text-classifier
 	$(PY) profiles/examples/demo.py artifacts/text-classifier
 
 test: venv

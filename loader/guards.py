@@ -35,11 +35,14 @@ class InputGuard:
     size of every named dim, or raises GuardError naming the input, axis and allowed values.
     """
 
-    def __init__(self, inputs: Sequence[InputSpec], dims: dict[str, DimRange], device: str = "cpu"):
+    def __init__(
+        self, inputs: Sequence[InputSpec], dims: dict[str, DimRange], device: str = "cpu", unchecked: set[str] = frozenset()
+    ):
         self.inputs = tuple(inputs)
         self.names = tuple(i.name for i in inputs)
         self.index = {name: pos for pos, name in enumerate(self.names)}
-        self.dims = dict(dims)
+        # Dims whose out-of-range sizes a pad/split policy serves: any size ≥ 1 passes the guard.
+        self.dims = {d: DimRange(1, 2**62) if d in unchecked else r for d, r in dims.items()}
         self.device = device
         # Per input: (name, dtype, ndim, [(axis, static size or None, dim name or None)])
         self._plan = []

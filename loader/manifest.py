@@ -24,6 +24,7 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_INT = 2**53  # anything larger is not a real size and would not survive JSON round trips
 
 Shape = tuple[Union[str, int], ...]
+POLICIES = ("error", "pad", "split")
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,11 @@ class Manifest:
     check: dict[str, Any] = field(default_factory=dict)
     version: int = 1  # increases with every release of the same name; loaders can refuse rollbacks
     expires: str | None = None  # ISO 8601 date-time after which loaders refuse the artifact
+    # What the loader does with a size outside every variant, per dim: "error" (default), "pad", "split".
+    policy: dict[str, str] = field(default_factory=dict)
+    pad_value: dict[str, float] = field(default_factory=dict)  # per input, for "pad"
+    # Per flat output, per axis: the dim that axis follows (None: fixed). Needed by pad and split.
+    output_dims: tuple[tuple[str | None, ...], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +155,9 @@ class Manifest:
             "check": self.check,
             "version": self.version,
             "expires": self.expires,
+            "policy": dict(self.policy),
+            "pad_value": dict(self.pad_value),
+            "output_dims": None if self.output_dims is None else [list(axes) for axes in self.output_dims],
         }
 
     def to_json(self) -> str:
@@ -231,10 +240,11 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
     top_keys = {
         "format", "format_version", "name", "torch_version", "precompile_version", "created",
         "target", "inputs", "dims", "output", "variants", "constants", "files", "check", "version", "expires",
+        "policy", "pad_value", "output_dims",
     }
     if isinstance(raw, dict) and raw.get("format") != C.FORMAT_NAME:
         raise r.fail("format", f"{raw.get('format')!r} is not a precompile artifact (expected {C.FORMAT_NAME!r})")
-    raw = r.obj(raw, "manifest", top_keys, optional={"check", "version", "expires"})
+    raw = r.obj(raw, "manifest", top_keys, optional={"check", "version", "expires", "policy", "pad_value", "output_dims"})
     version = r.int(raw["format_version"], "format_version", 0, MAX_INT)
     if version != C.FORMAT_VERSION:
         raise r.fail(
@@ -344,6 +354,45 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
     if not isinstance(check, dict):
         raise r.fail("check", f"expected an object, got {_kind(check)}")
 
+    policy = {}
+    policy_raw = raw.get("policy", {})
+    if not isinstance(policy_raw, dict):
+        raise r.fail("policy", f"expected an object, got {_kind(policy_raw)}")
+    for dim, what in policy_raw.items():
+        if dim not in dims:
+            raise r.fail(f"policy.{dim}", "not a dim of this artifact")
+        policy[dim] = r.str(what, f"policy.{dim}", choices=POLICIES)
+    pad_value = {}
+    pad_raw = raw.get("pad_value", {})
+    if not isinstance(pad_raw, dict):
+        raise r.fail("pad_value", f"expected an object, got {_kind(pad_raw)}")
+    input_names = {i.name for i in inputs}
+    for name, value in pad_raw.items():
+        if name not in input_names:
+            raise r.fail(f"pad_value.{name}", "not an input of this artifact")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) > 1e300:
+            raise r.fail(f"pad_value.{name}", f"expected a finite number, got {value!r}")
+        pad_value[name] = float(value)
+    output_dims = None
+    if raw.get("output_dims") is not None:
+        flat = r.list(raw["output_dims"], "output_dims", max_len=4096)
+        if len(flat) != output.count():
+            raise r.fail("output_dims", f"{len(flat)} entries for {output.count()} outputs")
+        output_dims = []
+        for i, axes in enumerate(flat):
+            row = []
+            for j, a in enumerate(r.list(axes, f"output_dims[{i}]", max_len=64)):
+                if a is not None and (not isinstance(a, str) or a not in dims):
+                    raise r.fail(f"output_dims[{i}][{j}]", f"{a!r} is not a dim of this artifact")
+                row.append(a)
+            output_dims.append(tuple(row))
+        output_dims = tuple(output_dims)
+    for dim, what in policy.items():
+        if what == "split" and (output_dims is None or any(dim not in axes for axes in output_dims)):
+            raise r.fail(f"policy.{dim}", "split needs output_dims to give every output an axis that follows it")
+        if what == "pad" and output_dims is None:
+            raise r.fail(f"policy.{dim}", "pad needs output_dims")
+
     return Manifest(
         name=r.str(raw["name"], "name", NAME_RE),
         torch_version=r.str(raw["torch_version"], "torch_version"),
@@ -359,6 +408,9 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         check=check,
         version=r.int(raw.get("version", 1), "version", 1),
         expires=_expires(r, raw.get("expires")),
+        policy=policy,
+        pad_value=pad_value,
+        output_dims=output_dims,
     )
 
 

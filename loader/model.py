@@ -21,6 +21,7 @@ from .errors import ArtifactError, GuardError
 from .guards import TORCH_DTYPES, InputGuard
 from .host import check_compatible
 from .manifest import Manifest, OutputSpec, Variant
+from .policy import Policies
 from .weights import MappedWeights
 
 
@@ -47,7 +48,8 @@ class CompiledModel:
         self.device = device
         self._weights = weights  # keeps the memory map alive as long as the runners use it
         self._runners = runners
-        self._guard = InputGuard(manifest.inputs, manifest.dims, device)
+        self._guard = InputGuard(manifest.inputs, manifest.dims, device, unchecked={d for d, p in manifest.policy.items() if p != "error"})
+        self._policies = Policies(manifest) if any(p != "error" for p in manifest.policy.values()) else None
         self._dim_order = tuple(manifest.dims)
         self._static: dict[tuple[int, ...], tuple[Variant, Any]] = {}
         dynamic = []
@@ -96,19 +98,32 @@ class CompiledModel:
         return self.call_detailed(*args, **kwargs)[0]
 
     def call_detailed(self, *args: Any, **kwargs: Any) -> tuple[Any, str]:
-        """Like calling the model, and also say which variant served the call."""
+        """Like calling the model, and also say which variant served the call ("a+b" when a pad or
+        split policy ran pieces on several)."""
         tensors, sizes = self._guard.check(args, kwargs)
+        key = tuple(sizes[d] for d in self._dim_order)
+        if self._policies is not None and self._policies.needed(sizes):
+            outputs, ids = self._policies.run(tensors, sizes, self._run_one)
+            variant_id = "+".join(dict.fromkeys(ids))
+        else:
+            outputs, ids = self._run_one(tensors, sizes)
+            variant_id = ids[0]
+        self._record_shape(key)
+        return self._outputs(outputs), variant_id
+
+    def _run_one(self, tensors: list, sizes: dict[str, int]) -> tuple[list, list]:
         variant, runner = self._dispatch(sizes)
         start = time.perf_counter()
         outputs = runner.run(tensors)
-        self._record(variant.id, tuple(sizes[d] for d in self._dim_order), time.perf_counter() - start)
-        return self._outputs(outputs), variant.id
-
-    def _record(self, variant_id: str, key: tuple[int, ...], seconds: float) -> None:
+        seconds = time.perf_counter() - start
         with self._stats_lock:
-            entry = self._calls[variant_id]
+            entry = self._calls[variant.id]
             entry[0] += 1
             entry[1] += seconds
+        return outputs, [variant.id]
+
+    def _record_shape(self, key: tuple[int, ...]) -> None:
+        with self._stats_lock:
             count = self._shapes.get(key)
             if count is not None:
                 self._shapes[key] = count + 1

@@ -1,43 +1,56 @@
-"""The build pipeline: profile → resolve → export → compile → check → write.
+"""The build pipeline: profile → plan → resolve → export + compile (per variant) → check → write.
 
 Each stage is a plain function in its own module; ``build`` runs them in order and reports each one
-to a Progress. The artifact is assembled in a staging folder and only published once it has been
-loaded through the real loader and matched eager on every check shape.
+to a Progress. Variants are exported and compiled in parallel worker processes. The artifact is
+assembled in a staging folder and only published once it has been loaded through the real loader and
+every variant matched eager on its own shapes.
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
+import os
 import platform
 import shutil
-from dataclasses import dataclass, replace
+import statistics
+import time
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 import loader
 from loader import constants as C
 from loader.host import cpu_capability
-from loader.manifest import DimRange, InputSpec, Manifest, Target, Variant, parse_manifest
+from loader.manifest import DimRange, InputSpec, Manifest, OutputSpec, Target, Variant, parse_manifest
 
 from . import __version__
-from .check import CheckReport, compare, output_spec, run_eager
+from .check import CheckReport, compare, flatten, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
-from .errors import CompileError, PrecompileError
+from .errors import CompileError, PrecompileError, ProfileError
 from .export import export_hints, export_model
-from .plan import VariantPlan, default_plan
-from .profile import LoadedProfile, load_profile
+from .plan import Plan, VariantPlan, plan_variants, read_distribution
+from .profile import LoadedProfile, Profile, load_profile
 from .progress import Progress
 from .resolve import resolve_model
 from .samples import check_shapes, make_inputs
 from .write import file_entries, publish, staging_folder, write_manifest, write_weights
+
+REFERENCES_FILE = "references.safetensors"
 
 
 @dataclass
 class BuildResult:
     path: Path
     manifest: Manifest
+    plan: Plan
     check: CheckReport
+    seconds: dict[str, float] = field(default_factory=dict)  # compile time per variant
+    measured: list[dict[str, Any]] = field(default_factory=list)
 
 
 def build(
@@ -47,59 +60,184 @@ def build(
     progress: Progress | None = None,
     version: int = 1,
     expires: str | None = None,
+    jobs: int | None = None,
 ) -> BuildResult:
-    """Build the artifact a profile describes; return where it is and what was checked.
+    """Build the artifact a profile describes; return where it is, its plan and what was checked.
 
     ``output`` defaults to ``artifacts/<name>``. ``version`` (increasing per release of a name) and
     ``expires`` (ISO 8601 with a time zone) go into the manifest for the loader's rollback and
-    expiry checks. Raises a PrecompileError subclass for anything the
-    user can fix; on any failure nothing is left at ``output`` but what was there before.
+    expiry checks. ``jobs`` variants compile at once (default: one per core). Raises a
+    PrecompileError subclass for anything the user can fix; on any failure nothing is left at
+    ``output`` but what was there before.
     """
     progress = progress or Progress()
     _check_expires(expires)
     with progress.stage("profile", str(profile_path)):
         loaded = load_profile(profile_path)
-    profile = loaded.profile
+        profile = loaded.profile
+        plan = plan_variants(profile, read_distribution(loaded))
     target = Path(output) if output is not None else Path("artifacts") / profile.name
     with progress.stage("resolve", profile.model.factory):
         model = resolve_model(loaded)
-        eager_out = run_eager(model, make_inputs(profile, default_plan(profile)[0].hint, seed=profile.check.seed))
+        args = make_inputs(profile, plan.variants[-1].hint, seed=profile.check.seed)
+        eager_out = run_eager(model, args)
         out_spec = output_spec(eager_out)
-    plan = default_plan(profile)
+        output_dims = _output_dims(loaded, flatten(eager_out), plan.variants[-1].hint)
     staging = staging_folder(target)
     try:
-        packages: list[tuple[VariantPlan, CompiledPackage]] = []
         (staging / C.VARIANTS_DIR).mkdir()
-        for vp in plan:
-            hint = export_hints(vp.ranges, vp.hint)
-            with progress.stage("export", f"{vp.id} {_describe(vp.ranges)}"):
-                ep = export_model(model, profile, vp.ranges, hint)
-            with progress.stage("compile", vp.id):
-                pkg = compile_package(
-                    ep, staging / C.VARIANTS_DIR / f"{vp.id}{C.VARIANT_SUFFIX}", dict(profile.compile.inductor)
-                )
-            packages.append((VariantPlan(vp.id, vp.kind, vp.ranges, hint), pkg))
+        packages, seconds = compile_variants(loaded, model, list(plan.variants), staging, jobs=jobs, progress=progress)
         with progress.stage("write", str(target)):
-            manifest = _assemble(loaded, staging, packages, out_spec)
-        with progress.stage("check", "compiled vs eager"):
-            report = check_artifact(loaded, model, staging, plan)
-        manifest = replace(
-            manifest,
-            check={"shapes": report.shapes, "max_abs_error": report.max_abs_error},
-            version=version,
-            expires=expires,
-        )
-        parse_manifest(manifest.to_json())  # the loader must accept what we write
-        write_manifest(staging, manifest.to_json())
-        publish(staging, target)
+            manifest = _assemble(loaded, staging, packages, out_spec, output_dims)
+        with progress.stage("check", "compiled vs eager, every variant"):
+            report = check_artifact(loaded, model, staging, list(plan.variants))
+        measured: list[dict[str, Any]] = []
+        if profile.plan.measure and any(v.kind == "static" for v in plan.variants):
+            with progress.stage("measure", f"static variants must be ≥ {profile.plan.min_speedup}× faster"):
+                measured = measure_statics(loader.load(staging), profile)
+            dropped = {m["variant"] for m in measured if not m["kept"]}
+            for m in measured:
+                progress.note(
+                    f"{m['variant']}: {m['static_ms']:.3f} ms static vs {m['dynamic_ms']:.3f} ms dynamic "
+                    f"({m['speedup']:.2f}×) → {'kept' if m['kept'] else 'dropped'}"
+                )
+            if dropped:
+                for vp, pkg in packages:
+                    if vp.id in dropped:
+                        pkg.path.unlink()
+                packages = [(vp, pkg) for vp, pkg in packages if vp.id not in dropped]
+                manifest = _assemble(loaded, staging, packages, out_spec, output_dims)
+        with progress.stage("write", "references and manifest"):
+            references = write_references(loaded, model, staging, [vp for vp, _ in packages])
+            manifest = replace(
+                manifest,
+                files=file_entries(staging),
+                check={
+                    "shapes": report.shapes,
+                    "max_abs_error": report.max_abs_error,
+                    "references": references,
+                    "measure": measured,
+                    "plan": plan.to_dict()["traffic"],
+                },
+                version=version,
+                expires=expires,
+            )
+            parse_manifest(manifest.to_json())  # the loader must accept what we write
+            write_manifest(staging, manifest.to_json())
+            publish(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    progress.note(f"{target}: {len(plan)} variant(s), {report.shapes} shapes checked, max abs error {report.max_abs_error:.2e}")
-    return BuildResult(target, manifest, report)
+    progress.note(
+        f"{target}: {len(manifest.variants)} variant(s), {report.shapes} shapes checked, "
+        f"max abs error {report.max_abs_error:.2e}"
+    )
+    return BuildResult(target, manifest, plan, report, seconds, measured)
+
+
+# --- variants ----------------------------------------------------------------------------------
+
+
+def compile_variants(
+    loaded: LoadedProfile,
+    model: torch.nn.Module,
+    variants: list[VariantPlan],
+    staging: Path,
+    *,
+    jobs: int | None,
+    progress: Progress,
+) -> tuple[list[tuple[VariantPlan, CompiledPackage]], dict[str, float]]:
+    """Export and compile every variant, ``jobs`` at a time, each in its own process.
+
+    One failing variant fails the build with its error; the other results are discarded.
+    """
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(variants)))
+    options = dict(loaded.profile.compile.inductor)
+    results: dict[str, tuple[VariantPlan, CompiledPackage, float]] = {}
+    if jobs == 1:
+        for vp in variants:
+            with progress.stage("variant", f"{vp.id} {vp.describe()}"):
+                results[vp.id] = _compile_one(loaded, model, vp, staging, options)
+    else:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP state
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            futures = {pool.submit(_compile_in_worker, loaded.path, vp, staging, options): vp for vp in variants}
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    vp = futures[future]
+                    error = future.exception()
+                    if error is not None:
+                        for other in pending:
+                            other.cancel()  # running ones finish; their output dies with the staging folder
+                        progress.failed("variant", f"{vp.id} {vp.describe()}", 0.0)
+                        raise error
+                    results[vp.id] = future.result()
+                    progress.done("variant", f"{vp.id} {vp.describe()}", results[vp.id][2])
+    packages = [(results[vp.id][0], results[vp.id][1]) for vp in variants]
+    return packages, {vp.id: results[vp.id][2] for vp in variants}
+
+
+def _compile_one(
+    loaded: LoadedProfile, model: torch.nn.Module, vp: VariantPlan, staging: Path, options: dict[str, Any]
+) -> tuple[VariantPlan, CompiledPackage, float]:
+    start = time.perf_counter()
+    hint = export_hints(vp.ranges, vp.hint)
+    try:
+        ep = export_model(model, loaded.profile, vp.ranges, hint)
+        pkg = compile_package(ep, staging / C.VARIANTS_DIR / f"{vp.id}{C.VARIANT_SUFFIX}", options)
+    except PrecompileError as e:
+        if isinstance(e, ProfileError):
+            raise
+        raise type(e)(f"variant {vp.id} ({vp.describe()}): {e}") from None
+    return replace(vp, hint=hint), pkg, time.perf_counter() - start
+
+
+def _compile_in_worker(
+    profile_path: Path, vp: VariantPlan, staging: Path, options: dict[str, Any]
+) -> tuple[VariantPlan, CompiledPackage, float]:
+    loaded = load_profile(profile_path)
+    return _compile_one(loaded, resolve_model(loaded), vp, staging, options)
+
+
+# --- assembling the artifact ---------------------------------------------------------------------
+
+
+def _output_dims(loaded: LoadedProfile, outputs: list[torch.Tensor], sizes: dict[str, int]):
+    """The profile's ``outputs`` as per-axis dim names, checked against a real eager output."""
+    profile = loaded.profile
+    if profile.outputs is None:
+        return None
+    problems = []
+    if len(profile.outputs) != len(outputs):
+        problems.append(("outputs", f"declares {len(profile.outputs)} outputs, forward() returns {len(outputs)} tensors"))
+    rows = []
+    for i, (decl, t) in enumerate(zip(profile.outputs, outputs)):
+        if len(decl.shape) != t.dim():
+            problems.append((f"outputs[{i}].shape", f"has {len(decl.shape)} axes, the output has shape {tuple(t.shape)}"))
+            continue
+        row = []
+        for axis, (s, n) in enumerate(zip(decl.shape, t.shape)):
+            if isinstance(s, str) and s in profile.dims:
+                if sizes[s] != n:
+                    problems.append(
+                        (f"outputs[{i}].shape[{axis}]", f"says it follows {s!r} ({s}={sizes[s]}) but the output's size is {n}")
+                    )
+                row.append(s)
+            else:
+                row.append(None)
+        rows.append(tuple(row))
+    if problems:
+        raise ProfileError(str(loaded.path), problems)
+    return tuple(rows)
 
 
 def _assemble(
-    loaded: LoadedProfile, staging: Path, packages: list[tuple[VariantPlan, CompiledPackage]], out_spec
+    loaded: LoadedProfile,
+    staging: Path,
+    packages: list[tuple[VariantPlan, CompiledPackage]],
+    out_spec: OutputSpec,
+    output_dims,
 ) -> Manifest:
     profile = loaded.profile
     constants: dict[str, torch.Tensor] = {}
@@ -140,13 +278,17 @@ def _assemble(
         ),
         constants=const_specs,
         files=file_entries(staging),
+        policy={d: p for d, p in profile.policy.out_of_range.items() if p != "error"},
+        pad_value=dict(profile.policy.pad_value),
+        output_dims=output_dims,
     )
     write_manifest(staging, manifest.to_json())
     return manifest
 
 
 def check_artifact(loaded: LoadedProfile, model: torch.nn.Module, folder: Path, plan: list[VariantPlan]) -> CheckReport:
-    """Load ``folder`` with the real loader and compare every variant with eager on its check shapes."""
+    """Load ``folder`` with the real loader and compare every variant with eager on its own shapes:
+    a static variant on its shape, a dynamic one at its range ends and random sizes inside."""
     profile = loaded.profile
     compiled = loader.load(folder)
     report = CheckReport()
@@ -160,6 +302,76 @@ def check_artifact(loaded: LoadedProfile, model: torch.nn.Module, folder: Path, 
     return report
 
 
+def write_references(loaded: LoadedProfile, model: torch.nn.Module, folder: Path, plan: list[VariantPlan]) -> list[dict]:
+    """A small input/output pair per variant (at its smallest shape), so a serving host can later
+    check the artifact against what was built (``precompile verify --run``)."""
+    profile = loaded.profile
+    tensors: dict[str, torch.Tensor] = {}
+    entries = []
+    for vp in plan:
+        sizes = {d: lo for d, (lo, _) in vp.ranges.items()}
+        args = make_inputs(profile, sizes, seed=profile.check.seed + 7919)
+        outs = flatten(run_eager(model, args))
+        ins = [f"{vp.id}/in/{name}" for name in profile.inputs]
+        outn = [f"{vp.id}/out/{i}" for i in range(len(outs))]
+        tensors.update({k: t.contiguous() for k, t in zip(ins, args)})
+        tensors.update({k: t.detach().contiguous() for k, t in zip(outn, outs)})
+        entries.append(
+            {
+                "variant": vp.id,
+                "dims": sizes,
+                "inputs": ins,
+                "outputs": outn,
+                "tolerance": [list(profile.tolerance(str(t.dtype).removeprefix("torch."))) for t in outs],
+            }
+        )
+    save_file(tensors, str(folder / REFERENCES_FILE))
+    return entries
+
+
+# --- measuring static variants -------------------------------------------------------------------
+
+
+def measure_statics(compiled: loader.CompiledModel, profile: Profile, repeats: int = 30) -> list[dict[str, Any]]:
+    """Time each static variant against the dynamic variant that would serve its shape otherwise."""
+    out = []
+    dynamic = [v for v in compiled.variants if v.kind == "dynamic"]
+    for v in compiled.variants:
+        if v.kind != "static":
+            continue
+        sizes = {d: r.min for d, r in v.dims.items()}
+        fallback = next((d for d in dynamic if all(sizes[k] in d.dims[k] for k in sizes)), None)
+        if fallback is None:
+            continue
+        args = make_inputs(profile, sizes, seed=profile.check.seed)
+        static_ms = _median_ms(lambda: compiled.run_variant(v.id, *args), repeats)
+        dynamic_ms = _median_ms(lambda: compiled.run_variant(fallback.id, *args), repeats)
+        speedup = dynamic_ms / static_ms if static_ms > 0 else float("inf")
+        out.append(
+            {
+                "variant": v.id,
+                "dims": sizes,
+                "static_ms": static_ms,
+                "dynamic_ms": dynamic_ms,
+                "against": fallback.id,
+                "speedup": speedup,
+                "kept": speedup >= profile.plan.min_speedup,
+            }
+        )
+    return out
+
+
+def _median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
 def _check_expires(expires: str | None) -> None:
     if expires is None:
         return
@@ -169,7 +381,3 @@ def _check_expires(expires: str | None) -> None:
         raise PrecompileError(f"--expires: {expires!r} is not an ISO 8601 date-time") from None
     if moment.tzinfo is None:
         raise PrecompileError(f"--expires: {expires!r} needs a time zone, e.g. {expires}+00:00")
-
-
-def _describe(ranges: dict[str, tuple[int, int]]) -> str:
-    return " ".join(f"{d}={lo}" if lo == hi else f"{d}∈[{lo},{hi}]" for d, (lo, hi) in ranges.items())

@@ -73,7 +73,7 @@ def _strip_weights(src_path: Path, dst_path: Path) -> dict[str, torch.Tensor]:
                         f"constant {fqn!r} is laid out with strides {stride} for shape {shape}; precompile "
                         "stores weights contiguously and cannot serve this layout"
                     )
-                constants[fqn] = bases[member].as_strided(shape, stride, offset).clone()
+                constants[fqn] = bases[member].as_strided(shape, stride, offset).detach().clone()
         with zipfile.ZipFile(dst_path, "w", zipfile.ZIP_STORED) as dst:
             for info in src.infolist():
                 if "/data/weights/" in info.filename or info.filename.endswith("/weights_config.json"):

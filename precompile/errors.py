@@ -18,6 +18,9 @@ class ProfileError(PrecompileError):
         lines += [f"  {place}: {message}" if place else f"  {message}" for place, message in problems]
         super().__init__("\n".join(lines))
 
+    def __reduce__(self):  # raised in build worker processes and pickled back to the parent
+        return (ProfileError, (self.source, self.problems))
+
 
 class ModelError(PrecompileError):
     """The model could not be built, loaded with its weights, or run eagerly on sample inputs."""

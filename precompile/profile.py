@@ -246,8 +246,36 @@ def semantic_problems(profile: Profile) -> list[tuple[str, str]]:
             problems.append((f"dims.{name}", "a range within [0, 1] cannot be exported dynamically; use a static size"))
         if name not in used:
             problems.append((f"dims.{name}", "declared but used in no input shape"))
+    problems += _plan_problems(profile)
     if profile.target == "cuda":
         problems.append(("target", "cuda is not built yet by this version of precompile; use target: cpu"))
+    return problems
+
+
+def _plan_problems(profile: Profile) -> list[tuple[str, str]]:
+    """pad/split must be undoable (``outputs`` says which output axes follow the dim); names must exist."""
+    problems = []
+    known = ", ".join(profile.dims) or "none declared"
+    for d, policy in profile.policy.out_of_range.items():
+        place = f"policy.out_of_range.{d}"
+        if d not in profile.dims:
+            problems.append((place, f"unknown dim {d!r} (known: {known})"))
+        elif policy != "error" and profile.outputs is None:
+            problems.append((place, f"{policy} needs `outputs:` to declare which output axes follow {d!r}"))
+        elif policy == "split":
+            for i, out in enumerate(profile.outputs or []):
+                if d not in out.shape:
+                    problems.append((place, f"split needs every output to follow {d!r}; outputs[{i}] has shape {out.shape}"))
+    for name in profile.policy.pad_value:
+        if name not in profile.inputs:
+            problems.append((f"policy.pad_value.{name}", f"unknown input (inputs: {', '.join(profile.inputs)})"))
+    for d, points in profile.plan.ranges.items():
+        if d not in profile.dims:
+            problems.append((f"plan.ranges.{d}", f"unknown dim {d!r} (known: {known})"))
+            continue
+        for p in points:
+            if not profile.dims[d].min <= p <= profile.dims[d].max:
+                problems.append((f"plan.ranges.{d}", f"split point {p} is outside [{profile.dims[d].min}, {profile.dims[d].max}]"))
     return problems
 
 

@@ -66,3 +66,41 @@ def classifier_profile(classifier_artifact) -> Path:
 def structured_artifact(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("structured")
     return build(write_profile(folder, STRUCTURED_PROFILE), folder / "artifact").path
+
+
+TAGGER_PROFILE = """
+name: tiny-tagger
+model: {factory: "tiny:tagger"}
+inputs:
+  ids:  {shape: [batch, seq], dtype: int64, range: [0, 49]}
+  mask: {shape: [batch, seq], dtype: bool, range: [1, 1]}
+dims:
+  batch: {min: 1, max: 8}
+  seq:   {min: 4, max: 32}
+distribution:
+  shapes:
+    - {batch: 1, seq: 16, count: 500}
+    - {batch: 2, seq: 8, count: 300}
+    - {batch: 4, seq: 24, count: 100}
+    - {batch: 12, seq: 16, count: 30}
+    - {batch: 1, seq: 2, count: 20}
+outputs:
+  - {shape: [batch, seq, 3]}
+  - {shape: [batch, 3]}
+plan:
+  max_specialized: 2
+  coverage: 0.9
+  ranges: {seq: [16]}
+policy:
+  out_of_range: {batch: split, seq: pad}
+  pad_value: {mask: 0}
+"""
+
+
+@pytest.fixture(scope="session")
+def tagger_build(tmp_path_factory):
+    """A planned artifact: 2 static variants, 2 dynamic ones over seq [4,16] and [17,32], pad and
+    split policies. Compiled with 2 jobs, so the parallel path is exercised."""
+    folder = tmp_path_factory.mktemp("tagger")
+    return build(write_profile(folder, TAGGER_PROFILE), folder / "artifact", jobs=2)
+

@@ -29,7 +29,7 @@ def test_manifest_describes_the_artifact(classifier_artifact):
     assert manifest["target"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert [i["name"] for i in manifest["inputs"]] == ["ids", "mask"]
     assert manifest["dims"] == {"batch": {"min": 1, "max": 8}, "seq": {"min": 2, "max": 48}}
-    assert set(manifest["files"]) == {"weights.safetensors", "variants/dynamic.pt2"}
+    assert set(manifest["files"]) == {"weights.safetensors", "variants/dynamic.pt2", "references.safetensors"}
     assert manifest["check"]["shapes"] >= 10
 
 
@@ -136,3 +136,24 @@ def test_refuses_to_replace_a_folder_that_is_not_an_artifact(tmp_path):
     result = CliRunner().invoke(main, ["build", str(profile), "-o", str(target)], catch_exceptions=False)
     assert result.exit_code == 1 and "is not a precompile artifact; refusing to replace it" in result.output
     assert (target / "notes.txt").read_text() == "keep me"
+
+
+def test_measure_drops_static_variants_that_do_not_pay(tmp_path):
+    profile = write_profile(tmp_path, """
+        name: measured
+        model: {factory: "tiny:structured"}
+        inputs: {x: {shape: [batch, 8], dtype: float32}}
+        dims: {batch: {min: 1, max: 16}}
+        distribution: {shapes: [{batch: 4, count: 10}]}
+        plan: {measure: true, min_speedup: 1000.0}
+        check: {random_shapes: 1}
+    """)
+    result = build(profile, tmp_path / "out", jobs=1)
+    (entry,) = result.measured
+    assert entry["variant"] == "static-0" and entry["against"] == "dynamic" and not entry["kept"]
+    assert entry["static_ms"] > 0 and entry["dynamic_ms"] > 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert [v["id"] for v in manifest["variants"]] == ["dynamic"]
+    assert "variants/static-0.pt2" not in manifest["files"] and not (tmp_path / "out" / "variants" / "static-0.pt2").exists()
+    assert manifest["check"]["measure"][0]["speedup"] == entry["speedup"]
+    assert loader.load(tmp_path / "out")(torch.ones(4, 8))["hidden"].shape == (4, 4)

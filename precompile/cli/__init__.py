@@ -38,4 +38,5 @@ def main() -> None:
 
 from . import build as _build  # noqa: E402,F401  (commands register themselves on main)
 from . import inspect as _inspect  # noqa: E402,F401
+from . import plan as _plan  # noqa: E402,F401
 from . import schema as _schema  # noqa: E402,F401

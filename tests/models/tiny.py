@@ -95,3 +95,24 @@ def broken() -> nn.Module:
 
 def not_a_module():
     return 42
+
+
+class Tagger(nn.Module):
+    """Per-token logits [batch, seq, 3] and a masked mean [batch, 3]: padding seq with mask=False
+    leaves both unchanged on the real tokens, and every output follows batch."""
+
+    def __init__(self, vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor):
+        tokens = self.head(torch.tanh(self.mix(self.embed(ids))))
+        m = mask.unsqueeze(-1).to(tokens.dtype)
+        return tokens, (tokens * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def tagger() -> nn.Module:
+    torch.manual_seed(2)
+    return Tagger()
