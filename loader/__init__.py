@@ -5,11 +5,15 @@
     logits = model(ids, mask)
 
 This package imports torch, the standard library and nothing of the build side; it never compiles.
+Reading a pack imports ``zstandard`` and checking a signature ``cryptography``, each only then.
 """
 
 from .errors import ArtifactError, GuardError, IncompatibleArtifactError, LoaderError
+from .live import Live, Serving, SwapError
 from .manifest import Manifest, parse_manifest
 from .model import CompiledModel, load
+from .traffic import TrafficFileError, TrafficRecorder
+from .trust import UntrustedArtifactError
 
 __version__ = "0.1.0"
 
@@ -18,8 +22,14 @@ __all__ = [
     "CompiledModel",
     "GuardError",
     "IncompatibleArtifactError",
+    "Live",
     "LoaderError",
     "Manifest",
+    "Serving",
+    "SwapError",
+    "TrafficFileError",
+    "TrafficRecorder",
+    "UntrustedArtifactError",
     "load",
     "parse_manifest",
 ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import stat
 from pathlib import Path
 
 from . import constants as C
@@ -13,6 +15,11 @@ from .manifest import Manifest, parse_manifest
 
 def read_manifest(root: str | os.PathLike) -> Manifest:
     """Parse ``root/manifest.json``; ArtifactError if the folder is not an artifact."""
+    return read_manifest_with_bytes(root)[0]
+
+
+def read_manifest_with_bytes(root: str | os.PathLike) -> tuple[Manifest, bytes]:
+    """The parsed manifest and the bytes it was parsed from (what signatures and digests cover)."""
     root = Path(root)
     if not root.exists():
         raise ArtifactError(f"{root}: no such artifact (build one with `precompile build PROFILE -o {root}`)")
@@ -26,7 +33,44 @@ def read_manifest(root: str | os.PathLike) -> Manifest:
         raise ArtifactError(f"{root}: no {C.MANIFEST_FILE}; this folder is not a precompile artifact") from None
     except OSError as e:
         raise ArtifactError(f"{path}: cannot read ({e.strerror})") from None
-    return parse_manifest(data, source=str(path))
+    return parse_manifest(data, source=str(path)), data
+
+
+def canonical_manifest(manifest: bytes | Manifest) -> bytes:
+    """The bytes that identify a manifest: what signatures cover and what names its cache entry.
+
+    From the manifest's bytes (as signatures and the cache use it): the JSON document written again
+    with sorted keys and no whitespace. Formatting does not matter, and the result does not depend on
+    this loader's ``Manifest`` class, so a newer loader whose manifests have more fields computes the
+    same bytes for an old file and its signatures stay valid. Pass only bytes ``parse_manifest``
+    accepted. From a parsed ``Manifest``: the same, for a manifest this version of precompile wrote.
+    """
+    try:
+        document = manifest.to_dict() if isinstance(manifest, Manifest) else json.loads(manifest)
+        text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    except (ValueError, RecursionError) as e:
+        raise ArtifactError(f"{C.MANIFEST_FILE}: cannot be put in canonical form ({e})") from None
+    return text.encode("ascii")
+
+
+def manifest_digest(manifest: bytes | Manifest) -> str:
+    """sha256 of the canonical manifest: one artifact's identity (its files are pinned by sha256)."""
+    return hashlib.sha256(canonical_manifest(manifest)).hexdigest()
+
+
+def read_signature(root: str | os.PathLike) -> bytes | None:
+    """The raw bytes of ``root/signature.json``, or None when the artifact is not signed."""
+    path = Path(root) / C.SIGNATURE_FILE
+    try:
+        with open(path, "rb") as f:
+            data = f.read(C.MAX_SIGNATURE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot read ({e.strerror})") from None
+    if len(data) > C.MAX_SIGNATURE_BYTES:
+        raise ArtifactError(f"{path}: larger than the {C.MAX_SIGNATURE_BYTES} bytes a signature may take")
+    return data
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -37,9 +81,17 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def verify_files(root: str | os.PathLike, manifest: Manifest, *, hashes: bool = True) -> None:
-    """Check that every listed file exists as a regular file with the listed size (and sha256)."""
+def verify_files(
+    root: str | os.PathLike, manifest: Manifest, *, hashes: bool = True, known: dict[str, list[int]] | None = None
+) -> dict[str, list[int]]:
+    """Check that every listed file exists as a regular file with the listed size (and sha256).
+
+    ``known`` maps a file to the identity (size, mtime_ns, ctime_ns, inode) it had when it was last
+    hashed; a file that still has it is not hashed again (a write changes ctime, which no one can
+    set back). Returns every file's identity now, for the caller to remember.
+    """
     root = Path(root)
+    identities = {}
     for rel, entry in manifest.files.items():
         path = root / rel
         try:
@@ -48,9 +100,18 @@ def verify_files(root: str | os.PathLike, manifest: Manifest, *, hashes: bool = 
             raise ArtifactError(f"{root}: {rel} is listed in the manifest but missing") from None
         except OSError as e:
             raise ArtifactError(f"{root}: {rel}: cannot read ({e.strerror})") from None
-        if not os.path.isfile(path) or os.path.islink(path):
+        if not stat.S_ISREG(st.st_mode):
             raise ArtifactError(f"{root}: {rel} is not a regular file")
         if st.st_size != entry.size:
             raise ArtifactError(f"{root}: {rel} is {st.st_size} bytes, the manifest says {entry.size}")
-        if hashes and sha256_file(path) != entry.sha256:
-            raise ArtifactError(f"{root}: {rel} does not match its sha256 in the manifest (changed or corrupt)")
+        identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        unchanged = known is not None and known.get(rel) == identity
+        if hashes and not unchanged:
+            try:
+                digest = sha256_file(path)
+            except OSError as e:
+                raise ArtifactError(f"{root}: {rel}: cannot read ({e.strerror})") from None
+            if digest != entry.sha256:
+                raise ArtifactError(f"{root}: {rel} does not match its sha256 in the manifest (changed or corrupt)")
+        identities[rel] = identity
+    return identities

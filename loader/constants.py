@@ -40,3 +40,49 @@ DTYPES = (
 DEVICES = ("cpu", "cuda")
 
 VARIANT_KINDS = ("static", "dynamic")
+
+# --- shipping: signature, pack, cache ------------------------------------------------------------
+
+# Beside manifest.json (never listed in its files): an Ed25519 signature over the canonical manifest
+# (see loader.trust). The manifest pins every file's size and sha256, so one signature covers all.
+SIGNATURE_FILE = "signature.json"
+SIGNATURE_FORMAT = "precompile-signature"
+SIGNATURE_FORMAT_VERSION = 1
+MAX_SIGNATURE_BYTES = 64 * 1024
+
+# A pack (`precompile pack`) is one file: POSIX ustar members, zstandard-compressed, in two frames.
+#   frame 1 (head):  manifest.json, then signature.json if the artifact is signed
+#   frame 2 (body):  every file the manifest lists, in sorted order, then the end-of-archive blocks
+# Decompressed, the frames are one plain tar stream (`zstd -dc model.tar.zst | tar t` lists it).
+# The head is a frame of its own so that `precompile sign` can re-sign a pack by rewriting only the
+# head. Every member is a regular file (type '0') with mode 0644, uid/gid 0 and mtime 0, so packing
+# the same artifact twice gives the same bytes. Readers refuse anything else: see loader.pack.
+PACK_SUFFIX = ".tar.zst"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+TAR_BLOCK = 512
+# After the two zero blocks that end a tar, at most this much zero padding (a full tar record).
+MAX_TAR_TRAILER = 20 * TAR_BLOCK
+
+# The local cache of unpacked packs: ${PRECOMPILE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/precompile}
+#   CACHEDIR.TAG                 marks the folder as a cache (backup tools skip it)
+#   artifacts/<digest>/          one immutable, read-only artifact folder per manifest digest
+#   artifacts/<digest>.verified  size, mtime, ctime and inode of each file when last hashed
+#   locks/<digest>.lock          held while one process unpacks <digest>
+#   tmp/<digest>.<random>/       where unpacking happens (same file system, so the rename is atomic)
+CACHE_ENV = "PRECOMPILE_CACHE"
+CACHE_ENTRIES_DIR = "artifacts"
+CACHE_LOCKS_DIR = "locks"
+CACHE_TMP_DIR = "tmp"
+CACHE_VERIFIED_SUFFIX = ".verified"
+CACHEDIR_TAG = "CACHEDIR.TAG"
+CACHEDIR_TAG_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by precompile.\n"
+    "# For information about cache directory tags, see https://bford.info/cachedir/\n"
+)
+
+# The highest version loaded per artifact name, for loader.load(..., refuse_rollback=True):
+# ${PRECOMPILE_STATE:-${XDG_STATE_HOME:-~/.local/state}/precompile}/versions/<name>.json.
+# State, not cache: emptying the cache must not reset the rollback protection.
+STATE_ENV = "PRECOMPILE_STATE"
+VERSIONS_DIR = "versions"

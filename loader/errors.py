@@ -14,4 +14,16 @@ class IncompatibleArtifactError(ArtifactError):
 
 
 class GuardError(LoaderError, ValueError):
-    """A call's inputs do not fit what the compiled code was built for."""
+    """A call's inputs do not fit what the compiled code was built for.
+
+    ``reason`` names the kind of problem in one word, for metrics and callers that branch on it:
+    missing_input, too_many_inputs, unknown_input, duplicate_input, not_a_tensor, dtype, device, rank,
+    static_size, out_of_range, dim_mismatch, not_contiguous, no_variant, policy.
+    """
+
+    def __init__(self, message: str, reason: str = "other"):
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):
+        return (GuardError, (str(self), self.reason))

@@ -25,6 +25,7 @@ MAX_INT = 2**53  # anything larger is not a real size and would not survive JSON
 
 Shape = tuple[Union[str, int], ...]
 POLICIES = ("error", "pad", "split")
+CAPABILITY_RE = re.compile(r"^\d{1,3}\.\d{1,3}$")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,10 @@ class Variant:
     file: str
     dims: dict[str, DimRange]  # for static variants min == max for every dim
     hint: dict[str, int]  # the sizes the variant was exported and tuned with
-    constants: tuple[str, ...]  # names in weights.safetensors this variant needs
+    constants: tuple[str, ...]  # the constant names the compiled code asks for
+    device: str = "cpu"  # device type the code runs on
+    dtype: str | None = None  # compute dtype floating inputs are cast to (None: as declared)
+    constant_prefix: str = ""  # weights.safetensors stores constant c as constant_prefix + c
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +101,31 @@ class Variant:
             "dims": {k: [r.min, r.max] for k, r in self.dims.items()},
             "hint": dict(self.hint),
             "constants": list(self.constants),
+            "device": self.device,
+            "dtype": self.dtype,
+            "constant_prefix": self.constant_prefix,
+        }
+
+
+@dataclass(frozen=True)
+class CudaInfo:
+    """What the CUDA variants were built on and for."""
+
+    torch_cuda: str  # torch.version.cuda on the build host
+    capability: str  # compute capability of the build GPU, "9.0"
+    archs: tuple[str, ...]  # capabilities the kernels were built for (SASS)
+    multi_arch: bool  # PTX emitted too: newer GPUs can JIT it
+    cuda_graphs: bool  # capture a graph per static variant at warm-up
+    device_name: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "torch_cuda": self.torch_cuda,
+            "capability": self.capability,
+            "archs": list(self.archs),
+            "multi_arch": self.multi_arch,
+            "cuda_graphs": self.cuda_graphs,
+            "device_name": self.device_name,
         }
 
 
@@ -130,6 +159,7 @@ class Manifest:
     pad_value: dict[str, float] = field(default_factory=dict)  # per input, for "pad"
     # Per flat output, per axis: the dim that axis follows (None: fixed). Needed by pad and split.
     output_dims: tuple[tuple[str | None, ...], ...] | None = None
+    cuda: CudaInfo | None = None  # present when the artifact has CUDA variants
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -158,6 +188,7 @@ class Manifest:
             "policy": dict(self.policy),
             "pad_value": dict(self.pad_value),
             "output_dims": None if self.output_dims is None else [list(axes) for axes in self.output_dims],
+            "cuda": None if self.cuda is None else self.cuda.to_dict(),
         }
 
     def to_json(self) -> str:
@@ -205,6 +236,11 @@ class _Reader:
             raise self.fail(where, f"{value} is outside [{lo}, {hi}]")
         return value
 
+    def bool(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(where, f"expected true or false, got {_kind(value)}")
+        return value
+
     def list(self, value: Any, where: str, max_len: int = 100_000) -> list:
         if not isinstance(value, list):
             raise self.fail(where, f"expected a list, got {_kind(value)}")
@@ -240,11 +276,11 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
     top_keys = {
         "format", "format_version", "name", "torch_version", "precompile_version", "created",
         "target", "inputs", "dims", "output", "variants", "constants", "files", "check", "version", "expires",
-        "policy", "pad_value", "output_dims",
+        "policy", "pad_value", "output_dims", "cuda",
     }
     if isinstance(raw, dict) and raw.get("format") != C.FORMAT_NAME:
         raise r.fail("format", f"{raw.get('format')!r} is not a precompile artifact (expected {C.FORMAT_NAME!r})")
-    raw = r.obj(raw, "manifest", top_keys, optional={"check", "version", "expires", "policy", "pad_value", "output_dims"})
+    raw = r.obj(raw, "manifest", top_keys, optional={"check", "version", "expires", "policy", "pad_value", "output_dims", "cuda"})
     version = r.int(raw["format_version"], "format_version", 0, MAX_INT)
     if version != C.FORMAT_VERSION:
         raise r.fail(
@@ -319,7 +355,12 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
     variants = []
     for i, item in enumerate(r.list(raw["variants"], "variants", max_len=4096)):
         where = f"variants[{i}]"
-        v = r.obj(item, where, {"id", "kind", "file", "dims", "hint", "constants"})
+        v = r.obj(
+            item,
+            where,
+            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix"},
+            optional={"device", "dtype", "constant_prefix"},
+        )
         vid = r.str(v["id"], f"{where}.id", VARIANT_ID_RE)
         kind = r.str(v["kind"], f"{where}.kind", choices=C.VARIANT_KINDS)
         file = r.str(v["file"], f"{where}.file")
@@ -341,10 +382,13 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
             raise r.fail(f"{where}.hint", f"must give a size for exactly the dims {sorted(dims)}")
         hint = {name: r.int(size, f"{where}.hint.{name}") for name, size in hint_raw.items()}
         consts = tuple(r.str(c, f"{where}.constants[{j}]") for j, c in enumerate(r.list(v["constants"], f"{where}.constants")))
+        device = r.str(v.get("device", "cpu"), f"{where}.device", choices=C.DEVICES)
+        vdtype = None if v.get("dtype") is None else r.str(v["dtype"], f"{where}.dtype", choices=C.DTYPES)
+        prefix = r.str(v.get("constant_prefix", ""), f"{where}.constant_prefix")
         for c in consts:
-            if c not in constants:
-                raise r.fail(f"{where}.constants", f"{c!r} is not declared in constants")
-        variants.append(Variant(vid, kind, file, vdims, hint, consts))
+            if prefix + c not in constants:
+                raise r.fail(f"{where}.constants", f"{prefix + c!r} is not declared in constants")
+        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix))
     if not variants:
         raise r.fail("variants", "the artifact has no variants")
     if len({v.id for v in variants}) != len(variants):
@@ -393,6 +437,20 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         if what == "pad" and output_dims is None:
             raise r.fail(f"policy.{dim}", "pad needs output_dims")
 
+    cuda = None
+    if raw.get("cuda") is not None:
+        cu = r.obj(raw["cuda"], "cuda", {"torch_cuda", "capability", "archs", "multi_arch", "cuda_graphs", "device_name"})
+        cuda = CudaInfo(
+            torch_cuda=r.str(cu["torch_cuda"], "cuda.torch_cuda"),
+            capability=r.str(cu["capability"], "cuda.capability", CAPABILITY_RE),
+            archs=tuple(r.str(a, f"cuda.archs[{i}]", CAPABILITY_RE) for i, a in enumerate(r.list(cu["archs"], "cuda.archs", 64))),
+            multi_arch=r.bool(cu["multi_arch"], "cuda.multi_arch"),
+            cuda_graphs=r.bool(cu["cuda_graphs"], "cuda.cuda_graphs"),
+            device_name=r.str(cu["device_name"], "cuda.device_name"),
+        )
+    if cuda is None and any(v.device == "cuda" for v in variants):
+        raise r.fail("cuda", "the artifact has CUDA variants but no cuda section")
+
     return Manifest(
         name=r.str(raw["name"], "name", NAME_RE),
         torch_version=r.str(raw["torch_version"], "torch_version"),
@@ -411,6 +469,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         policy=policy,
         pad_value=pad_value,
         output_dims=output_dims,
+        cuda=cuda,
     )
 
 

@@ -11,17 +11,17 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 from . import constants as C
-from .artifact import read_manifest, verify_files
-from .errors import ArtifactError, GuardError
+from .errors import ArtifactError, GuardError, IncompatibleArtifactError
 from .guards import TORCH_DTYPES, InputGuard
-from .host import check_compatible
 from .manifest import Manifest, OutputSpec, Variant
+from .cuda import GraphedRunner, parse_device
 from .policy import Policies
+from .source import open_artifact
 from .weights import MappedWeights
 
 
@@ -29,31 +29,60 @@ from .weights import MappedWeights
 MAX_SHAPES_TRACKED = 10_000
 
 
-def _open_package(path: str) -> Any:
+def _open_package(path: str, *, single_threaded: bool = False, device_index: int | None = None) -> Any:
     """Open one AOTInductor package without importing torch._inductor.
 
     ``torch._C._aoti.AOTIModelPackageLoader`` is what ``torch._inductor.aoti_load_package`` wraps; it is
     private, so this is the only place that names it. Arguments: package path, model name inside the
-    package, run single-threaded, number of runners, device index (-1: the default one).
+    package, run single-threaded (needed for CUDA graph capture), number of runners, device index
+    (-1: the default one).
     """
-    return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, False, 1, -1)
+    index = -1 if device_index is None else device_index
+    return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, 1, index)
 
 
 class CompiledModel:
     """A loaded artifact. Call it like the module's forward(); see ``load``."""
 
-    def __init__(self, root: Path, manifest: Manifest, weights: MappedWeights, runners: dict[str, Any], device: str):
+    def __init__(
+        self,
+        root: Path,
+        manifest: Manifest,
+        weights: MappedWeights,
+        runners: dict[str, Any],
+        device: str,
+        *,
+        device_weights: dict[str, torch.Tensor] | None = None,
+        copy_inputs: bool = False,
+    ):
         self.path = root
         self.manifest = manifest
-        self.device = device
+        self.device_type, index = parse_device(device)
+        self.device = "cpu" if index is None else f"cuda:{index}"
         self._weights = weights  # keeps the memory map alive as long as the runners use it
+        self._device_weights = device_weights  # constants copied to a GPU, used in place by the runners
         self._runners = runners
-        self._guard = InputGuard(manifest.inputs, manifest.dims, device, unchecked={d for d, p in manifest.policy.items() if p != "error"})
+        self._variants = tuple(v for v in manifest.variants if v.id in runners)
+        self._guard = InputGuard(
+            manifest.inputs,
+            manifest.dims,
+            torch.device(self.device),
+            unchecked={d for d, p in manifest.policy.items() if p != "error"},
+            copy_inputs=copy_inputs,
+        )
         self._policies = Policies(manifest) if any(p != "error" for p in manifest.policy.values()) else None
         self._dim_order = tuple(manifest.dims)
+        self._index_tables()
+        self._output = manifest.output
+        self._single_tensor = manifest.output.kind == "tensor"
+        self._stats_lock = threading.Lock()
+        self.reset_stats()
+
+    def _index_tables(self) -> None:
+        runners = self._runners
         self._static: dict[tuple[int, ...], tuple[Variant, Any]] = {}
         dynamic = []
-        for v in manifest.variants:
+        for v in self._variants:
             if v.kind == "static":
                 self._static[tuple(v.dims[d].min for d in self._dim_order)] = (v, runners[v.id])
             else:
@@ -61,10 +90,6 @@ class CompiledModel:
         # Tightest range first, so a call lands on the most specific variant that holds it.
         dynamic.sort(key=lambda v: _volume(v))
         self._dynamic = [(v, runners[v.id], [(d, v.dims[d].min, v.dims[d].max) for d in self._dim_order]) for v in dynamic]
-        self._output = manifest.output
-        self._single_tensor = manifest.output.kind == "tensor"
-        self._stats_lock = threading.Lock()
-        self.reset_stats()
 
     @property
     def name(self) -> str:
@@ -72,7 +97,8 @@ class CompiledModel:
 
     @property
     def variants(self) -> tuple[Variant, ...]:
-        return self.manifest.variants
+        """The variants loaded for this model's device."""
+        return self._variants
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -85,13 +111,13 @@ class CompiledModel:
 
     def run_variant(self, variant_id: str, *args: Any, **kwargs: Any) -> Any:
         """Run one named variant, bypassing dispatch (for checks); its ranges are still guarded."""
-        variant = next((v for v in self.manifest.variants if v.id == variant_id), None)
+        variant = next((v for v in self._variants if v.id == variant_id), None)
         if variant is None:
-            raise GuardError(f"no variant {variant_id!r} (variants: {', '.join(v.id for v in self.variants)})")
+            raise GuardError(f"no variant {variant_id!r} (variants: {', '.join(v.id for v in self.variants)})", reason="no_variant")
         tensors, sizes = self._guard.check(args, kwargs)
         for d, r in variant.dims.items():
             if sizes[d] not in r:
-                raise GuardError(f"variant {variant_id!r} serves {d} in {r}, got {d}={sizes[d]}")
+                raise GuardError(f"variant {variant_id!r} serves {d} in {r}, got {d}={sizes[d]}", reason="out_of_range")
         return self._outputs(self._runners[variant_id].run(tensors))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -157,14 +183,29 @@ class CompiledModel:
     def warmup(self) -> None:
         """Run every variant once on its hint shape, so the first real request meets warm code.
 
-        Warm-up calls are not counted in ``stats()``.
+        On CUDA, with ``cuda_graphs`` in the profile, this also captures one CUDA graph per static
+        variant; later calls of that shape replay it. Warm-up calls are not counted in ``stats()``.
         """
-        for v in self.manifest.variants:
+        graphs = self.device_type == "cuda" and self.manifest.cuda is not None and self.manifest.cuda.cuda_graphs
+        for v in self._variants:
             args = [
-                torch.zeros([v.hint[s] if isinstance(s, str) else s for s in spec.shape], dtype=TORCH_DTYPES[spec.dtype])
+                torch.zeros(
+                    [v.hint[s] if isinstance(s, str) else s for s in spec.shape],
+                    dtype=TORCH_DTYPES[spec.dtype],
+                    device=self.device,
+                )
                 for spec in self.manifest.inputs
             ]
             self.run_variant(v.id, *args)
+            if graphs and v.kind == "static" and not isinstance(self._runners[v.id], GraphedRunner):
+                runner = self._runners[v.id]
+                cast = runner.dtype if isinstance(runner, _Cast) else None
+                example = [a.to(cast) if cast is not None and a.is_floating_point() else a for a in args]
+                graphed = GraphedRunner(runner.runner if cast is not None else runner, example)
+                self._runners[v.id] = _Cast(graphed, cast) if cast is not None else graphed
+        if graphs:
+            self._index_tables()
+            torch.cuda.synchronize(self.device)
 
     def _outputs(self, outputs: list) -> Any:
         if self._single_tensor:
@@ -183,10 +224,8 @@ class CompiledModel:
             else:
                 return v, runner
         shape = ", ".join(f"{d}={sizes[d]}" for d in self._dim_order)
-        covered = "; ".join(
-            f"{v.id}: " + ", ".join(f"{d} {v.dims[d]}" for d in self._dim_order) for v in self.manifest.variants
-        )
-        raise GuardError(f"no compiled variant covers {shape} (variants: {covered})")
+        covered = "; ".join(f"{v.id}: " + ", ".join(f"{d} {v.dims[d]}" for d in self._dim_order) for v in self._variants)
+        raise GuardError(f"no compiled variant covers {shape} (variants: {covered})", reason="no_variant")
 
     def __repr__(self) -> str:
         return f"<CompiledModel {self.name!r} from {str(self.path)!r}: {len(self._runners)} variant(s) on {self.device}>"
@@ -210,27 +249,77 @@ def _unflatten(spec: OutputSpec, flat) -> Any:
     return dict(zip(spec.keys, items))
 
 
-def load(path: str | os.PathLike, *, device: str | None = None, verify: bool = True) -> CompiledModel:
-    """Load an artifact built by ``precompile build`` and return a callable model.
+def load(
+    path: str | os.PathLike,
+    *,
+    device: str | None = None,
+    verify: bool = True,
+    trusted_keys: Iterable[Any] | None = None,
+    min_version: int | None = None,
+    refuse_rollback: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    state_dir: str | os.PathLike | None = None,
+    copy_inputs: bool = False,
+) -> CompiledModel:
+    """Load an artifact built by ``precompile build``, from its folder or a pack (``precompile pack``),
+    and return a callable model.
 
-    ``device`` defaults to the artifact's target. ``verify`` checks every file's sha256 against the
-    manifest (sizes are always checked). Raises ArtifactError for a missing, unreadable or corrupt
-    artifact and IncompatibleArtifactError when it was built for another host.
+    - ``device`` defaults to the artifact's target.
+    - ``verify`` checks every file's sha256 against the manifest (sizes are always checked).
+    - A pack is unpacked once into the local cache (``cache_dir``, default ``$PRECOMPILE_CACHE`` or
+      ``~/.cache/precompile``); later loads of it read the cache entry, re-hashing only changed files.
+    - ``trusted_keys``: Ed25519 public keys (paths, PEM or OpenSSH text, or key objects); the artifact
+      must carry a valid signature by one of them.
+    - ``min_version`` refuses older versions; ``refuse_rollback`` refuses a version older than one this
+      host loaded before with ``refuse_rollback`` (recorded under ``state_dir``, default
+      ``$PRECOMPILE_STATE`` or ``~/.local/state/precompile``). Expired artifacts are always refused.
+    - ``copy_inputs`` moves inputs that live on another device to the model's, instead of refusing them.
+
+    Raises ArtifactError for a missing, unreadable or corrupt artifact, IncompatibleArtifactError when
+    it was built for another host, and UntrustedArtifactError when it fails the trust policy; all of
+    them before any compiled code is opened.
 
     >>> model = load("artifacts/text-classifier")
     >>> logits = model(ids, mask)          # same arguments and result structure as forward()
+    >>> model = load("text-classifier.tar.zst", trusted_keys=["release.pub"], refuse_rollback=True)
     """
-    root = Path(path)
-    manifest = read_manifest(root)
-    device = device or manifest.target.device
-    check_compatible(manifest, device)
-    verify_files(root, manifest, hashes=verify)
+    opened = open_artifact(
+        path,
+        device=device,
+        verify=verify,
+        trusted_keys=trusted_keys,
+        min_version=min_version,
+        refuse_rollback=refuse_rollback,
+        cache_dir=cache_dir,
+        state_dir=state_dir,
+    )
+    root, manifest, device = opened.root, opened.manifest, opened.device
     weights = MappedWeights(str(root / C.WEIGHTS_FILE))
     _check_constants(manifest, weights)
+    runners, device_weights = _open_runners(root, manifest, weights, device)
+    model = CompiledModel(root, manifest, weights, runners, device, device_weights=device_weights, copy_inputs=copy_inputs)
+    opened.loaded()
+    return model
+
+
+def _open_runners(
+    root: Path, manifest: Manifest, weights: MappedWeights, device: str
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Open the variants for ``device`` and hand each its constants; return the runners and the
+    constants copied to the device (they must live as long as the runners).
+
+    On CPU the runners use views of the memory map in place; on CUDA each stored tensor is copied to
+    the GPU once and shared by every variant that needs it.
+    """
+    kind, index = parse_device(device)
+    graphs = kind == "cuda" and manifest.cuda is not None and manifest.cuda.cuda_graphs
+    on_device: dict[str, torch.Tensor] = {}
     runners = {}
     for v in manifest.variants:
+        if v.device != kind:
+            continue
         try:
-            runner = _open_package(str(root / v.file))
+            runner = _open_package(str(root / v.file), single_threaded=graphs and v.kind == "static", device_index=index)
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
             raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {_first_line(e)}") from None
@@ -239,14 +328,37 @@ def load(path: str | os.PathLike, *, device: str | None = None, verify: bool = T
                 f"{root}: variant {v.id!r}: the compiled code needs constants {sorted(expected - set(v.constants))[:5]} "
                 f"that the manifest does not list (files from different artifacts?)"
             )
+        constants = {}
+        for name in v.constants:
+            stored = v.constant_prefix + name
+            if kind == "cuda" and stored not in on_device:
+                on_device[stored] = weights.tensors[stored].to(f"cuda:{index}")
+            constants[name] = on_device[stored] if kind == "cuda" else weights.tensors[stored]
         # user_managed: the runner uses these tensors in place (no copy); check_full_update: every
         # constant must be given, since a missing one would be read as null by the compiled code.
         try:
-            runner.load_constants({n: weights.tensors[n] for n in v.constants}, False, True, True)
+            runner.load_constants(constants, False, True, True)
         except RuntimeError as e:
             raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {_first_line(e)}") from None
-        runners[v.id] = runner
-    return CompiledModel(root, manifest, weights, runners, device)
+        runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
+    if not runners:
+        have = sorted({v.device for v in manifest.variants})
+        raise IncompatibleArtifactError(f"{root}: no variants for {kind} (the artifact has {', '.join(have)} variants)")
+    return runners, on_device
+
+
+class _Cast:
+    """A runner computing in a lower precision: floating inputs are cast at the boundary."""
+
+    def __init__(self, runner: Any, dtype: torch.dtype):
+        self.runner = runner
+        self.dtype = dtype
+
+    def run(self, tensors: list) -> list:
+        return self.runner.run([t.to(self.dtype) if t.is_floating_point() else t for t in tensors])
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.runner.get_constant_fqns()
 
 
 def _check_constants(manifest: Manifest, weights: MappedWeights) -> None:

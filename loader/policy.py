@@ -67,7 +67,8 @@ class Policies:
         if pieces is None:
             raise GuardError(
                 f"dim {d!r} is {n}, outside the built range {r}; its policy is split, which serves sizes above "
-                f"{r.max} that cut into pieces within the range"
+                f"{r.max} that cut into pieces within the range",
+                reason="policy",
             )
         parts, ids, offset = [], [], 0
         for size in pieces:
@@ -81,7 +82,8 @@ class Policies:
     def _pad(self, d: str, r: DimRange, n: int, tensors: list, sizes: dict, run: Run) -> tuple[list, list]:
         if n > r.max:
             raise GuardError(
-                f"dim {d!r} is {n}, above the built range {r}; its policy is pad, which only serves sizes below {r.min}"
+                f"dim {d!r} is {n}, above the built range {r}; its policy is pad, which only serves sizes below {r.min}",
+                reason="policy",
             )
         padded = list(tensors)
         for i, axis in self.input_axes[d]:

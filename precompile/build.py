@@ -8,6 +8,7 @@ every variant matched eager on its own shapes.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import multiprocessing
 import os
@@ -26,7 +27,8 @@ from safetensors.torch import save_file
 import loader
 from loader import constants as C
 from loader.host import cpu_capability
-from loader.manifest import DimRange, InputSpec, Manifest, OutputSpec, Target, Variant, parse_manifest
+from loader.guards import TORCH_DTYPES
+from loader.manifest import CudaInfo, DimRange, InputSpec, Manifest, OutputSpec, Target, Variant, parse_manifest
 
 from . import __version__
 from .check import CheckReport, compare, flatten, output_spec, run_eager
@@ -37,7 +39,7 @@ from .plan import Plan, VariantPlan, plan_variants, read_distribution
 from .profile import LoadedProfile, Profile, load_profile
 from .progress import Progress
 from .resolve import resolve_model
-from .samples import check_shapes, make_inputs
+from .samples import check_shapes, make_inputs, to_device
 from .write import file_entries, publish, staging_folder, write_manifest, write_weights
 
 REFERENCES_FILE = "references.safetensors"
@@ -77,6 +79,9 @@ def build(
         profile = loaded.profile
         plan = plan_variants(profile, read_distribution(loaded))
     target = Path(output) if output is not None else Path("artifacts") / profile.name
+    devices = usable_targets(profile, progress)
+    cuda = cuda_info(profile) if "cuda" in devices else None
+    variants = expand_targets(plan, devices, profile)
     with progress.stage("resolve", profile.model.factory):
         model = resolve_model(loaded)
         args = make_inputs(profile, plan.variants[-1].hint, seed=profile.check.seed)
@@ -86,15 +91,16 @@ def build(
     staging = staging_folder(target)
     try:
         (staging / C.VARIANTS_DIR).mkdir()
-        packages, seconds = compile_variants(loaded, model, list(plan.variants), staging, jobs=jobs, progress=progress)
+        packages, seconds = compile_variants(loaded, model, variants, staging, jobs=jobs, progress=progress)
         with progress.stage("write", str(target)):
-            manifest = _assemble(loaded, staging, packages, out_spec, output_dims)
+            manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda)
         with progress.stage("check", "compiled vs eager, every variant"):
-            report = check_artifact(loaded, model, staging, list(plan.variants))
+            report = check_artifact(loaded, model, staging, [vp for vp, _ in packages])
         measured: list[dict[str, Any]] = []
-        if profile.plan.measure and any(v.kind == "static" for v in plan.variants):
+        if profile.plan.measure and any(v.kind == "static" for v in variants):
             with progress.stage("measure", f"static variants must be ≥ {profile.plan.min_speedup}× faster"):
-                measured = measure_statics(loader.load(staging), profile)
+                for device in devices:
+                    measured += measure_statics(loader.load(staging, device=device), profile)
             dropped = {m["variant"] for m in measured if not m["kept"]}
             for m in measured:
                 progress.note(
@@ -106,7 +112,7 @@ def build(
                     if vp.id in dropped:
                         pkg.path.unlink()
                 packages = [(vp, pkg) for vp, pkg in packages if vp.id not in dropped]
-                manifest = _assemble(loaded, staging, packages, out_spec, output_dims)
+                manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda)
         with progress.stage("write", "references and manifest"):
             references = write_references(loaded, model, staging, [vp for vp, _ in packages])
             manifest = replace(
@@ -132,6 +138,59 @@ def build(
         f"max abs error {report.max_abs_error:.2e}"
     )
     return BuildResult(target, manifest, plan, report, seconds, measured)
+
+
+# --- targets -----------------------------------------------------------------------------------
+
+
+def usable_targets(profile: Profile, progress: Progress) -> tuple[str, ...]:
+    """The profile's devices this host can build for. AOTInductor cannot cross-compile CUDA code
+    (pytorch/pytorch#153697): without a GPU, CUDA targets are skipped, or refused if they are all."""
+    devices = profile.targets
+    if "cuda" in devices and not torch.cuda.is_available():
+        rest = tuple(d for d in devices if d != "cuda")
+        reason = (
+            "target cuda needs a CUDA GPU on the build host (AOTInductor compiles kernels for the GPU it "
+            "runs on and cannot cross-compile them, pytorch/pytorch#153697); this host has none"
+        )
+        if not rest:
+            raise PrecompileError(f"{reason}. Build on a GPU host, or add cpu to target: [cpu, cuda].")
+        progress.note(f"[yellow]warning[/]: {reason}; building {', '.join(rest)} only")
+        return rest
+    return devices
+
+
+def cuda_info(profile: Profile) -> CudaInfo:
+    major, minor = torch.cuda.get_device_capability(0)
+    capability = f"{major}.{minor}"
+    name = torch.cuda.get_device_name(0)
+    if profile.cuda.arch is not None and capability not in profile.cuda.arch:
+        raise PrecompileError(
+            f"cuda.arch: the build GPU ({name}) has compute capability {capability}, not one of "
+            f"{profile.cuda.arch}; AOTInductor compiles kernels for the GPU it runs on: build on such a GPU, "
+            f"or add {capability!r} to cuda.arch"
+        )
+    return CudaInfo(
+        torch_cuda=torch.version.cuda or "",
+        capability=capability,
+        archs=(capability,),
+        multi_arch=profile.cuda.multi_arch,
+        cuda_graphs=profile.cuda.cuda_graphs,
+        device_name=name,
+    )
+
+
+def expand_targets(plan: Plan, devices: tuple[str, ...], profile: Profile) -> list[VariantPlan]:
+    """The plan's variants once per device; CUDA ones are named cuda-<id> and compute in cuda.dtype."""
+    out = []
+    for device in devices:
+        for vp in plan.variants:
+            if device == "cpu":
+                out.append(vp)
+            else:
+                dtype = profile.cuda.dtype if profile.cuda.dtype != "float32" else None
+                out.append(replace(vp, id=f"{device}-{vp.id}", device=device, dtype=dtype))
+    return out
 
 
 # --- variants ----------------------------------------------------------------------------------
@@ -183,9 +242,18 @@ def _compile_one(
 ) -> tuple[VariantPlan, CompiledPackage, float]:
     start = time.perf_counter()
     hint = export_hints(vp.ranges, vp.hint)
+    if vp.device != "cpu":  # a copy, so the CPU model stays the reference for the checks
+        cast = TORCH_DTYPES[vp.dtype] if vp.dtype is not None else None
+        model = copy.deepcopy(model).to(device=vp.device, dtype=cast)
     try:
-        ep = export_model(model, loaded.profile, vp.ranges, hint)
-        pkg = compile_package(ep, staging / C.VARIANTS_DIR / f"{vp.id}{C.VARIANT_SUFFIX}", options)
+        ep = export_model(model, loaded.profile, vp.ranges, hint, device=vp.device, dtype=vp.dtype)
+        pkg = compile_package(
+            ep,
+            staging / C.VARIANTS_DIR / f"{vp.id}{C.VARIANT_SUFFIX}",
+            options,
+            device=vp.device,
+            multi_arch=loaded.profile.cuda.multi_arch,
+        )
     except PrecompileError as e:
         if isinstance(e, ProfileError):
             raise
@@ -238,16 +306,24 @@ def _assemble(
     packages: list[tuple[VariantPlan, CompiledPackage]],
     out_spec: OutputSpec,
     output_dims,
+    cuda: CudaInfo | None = None,
 ) -> Manifest:
     profile = loaded.profile
     constants: dict[str, torch.Tensor] = {}
+    prefixes: dict[str, str] = {}
     for vp, pkg in packages:
+        # Variants share a stored tensor when theirs is identical; a CUDA variant in another dtype
+        # (or with differently laid-out constants) gets its own copies under a prefix.
+        prefix = ""
+        if any(n in constants and not _same(constants[n], t) for n, t in pkg.constants.items()):
+            prefix = f"{vp.device}.{vp.dtype or 'native'}/"
         for name, tensor in pkg.constants.items():
-            seen = constants.get(name)
+            seen = constants.get(prefix + name)
             if seen is None:
-                constants[name] = tensor
-            elif seen.shape != tensor.shape or seen.dtype != tensor.dtype or not torch.equal(seen, tensor):
+                constants[prefix + name] = tensor
+            elif not _same(seen, tensor):
                 raise CompileError(f"variant {vp.id}: constant {name!r} differs from another variant's")
+        prefixes[vp.id] = prefix
     const_specs = write_weights(staging, constants)
     metadata = packages[0][1].metadata
     manifest = Manifest(
@@ -256,7 +332,7 @@ def _assemble(
         precompile_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         target=Target(
-            device=profile.target,
+            device=profile.targets[0] if profile.targets[0] in {vp.device for vp, _ in packages} else "cpu",
             cpu_capability=cpu_capability(),
             aoti_cpu_isa=metadata.get("AOTI_CPU_ISA", ""),
             platform=platform.system().lower(),
@@ -273,6 +349,9 @@ def _assemble(
                 dims={d: DimRange(*r) for d, r in vp.ranges.items()},
                 hint=dict(vp.hint),
                 constants=tuple(sorted(pkg.constants)),
+                device=vp.device,
+                dtype=vp.dtype,
+                constant_prefix=prefixes[vp.id],
             )
             for vp, pkg in packages
         ),
@@ -281,24 +360,30 @@ def _assemble(
         policy={d: p for d, p in profile.policy.out_of_range.items() if p != "error"},
         pad_value=dict(profile.policy.pad_value),
         output_dims=output_dims,
+        cuda=cuda,
     )
     write_manifest(staging, manifest.to_json())
     return manifest
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
 def check_artifact(loaded: LoadedProfile, model: torch.nn.Module, folder: Path, plan: list[VariantPlan]) -> CheckReport:
     """Load ``folder`` with the real loader and compare every variant with eager on its own shapes:
     a static variant on its shape, a dynamic one at its range ends and random sizes inside."""
     profile = loaded.profile
-    compiled = loader.load(folder)
     report = CheckReport()
     seed = profile.check.seed
-    for vp in plan:
-        for i, sizes in enumerate(check_shapes(profile, vp.ranges, profile.check.random_shapes, seed)):
-            args = make_inputs(profile, sizes, seed=seed + i)
-            want = run_eager(model, args)
-            got = compiled.run_variant(vp.id, *args)
-            compare(profile, want, got, sizes, vp.id, report)
+    for device in dict.fromkeys(vp.device for vp in plan):
+        compiled = loader.load(folder, device=device)
+        for vp in (vp for vp in plan if vp.device == device):
+            for i, sizes in enumerate(check_shapes(profile, vp.ranges, profile.check.random_shapes, seed)):
+                args = make_inputs(profile, sizes, seed=seed + i)
+                want = run_eager(model, args)
+                got = compiled.run_variant(vp.id, *to_device(args, device, None))
+                compare(profile, want, got, sizes, vp.id, report, compute_dtype=vp.dtype)
     return report
 
 
@@ -322,7 +407,11 @@ def write_references(loaded: LoadedProfile, model: torch.nn.Module, folder: Path
                 "dims": sizes,
                 "inputs": ins,
                 "outputs": outn,
-                "tolerance": [list(profile.tolerance(str(t.dtype).removeprefix("torch."))) for t in outs],
+                "device": vp.device,
+                "tolerance": [
+                    list(profile.tolerance(vp.dtype if vp.dtype and t.is_floating_point() else str(t.dtype).removeprefix("torch.")))
+                    for t in outs
+                ],
             }
         )
     save_file(tensors, str(folder / REFERENCES_FILE))
@@ -335,17 +424,19 @@ def write_references(loaded: LoadedProfile, model: torch.nn.Module, folder: Path
 def measure_statics(compiled: loader.CompiledModel, profile: Profile, repeats: int = 30) -> list[dict[str, Any]]:
     """Time each static variant against the dynamic variant that would serve its shape otherwise."""
     out = []
-    dynamic = [v for v in compiled.variants if v.kind == "dynamic"]
-    for v in compiled.variants:
+    mine = [v for v in compiled.variants if v.device == compiled.device_type]
+    dynamic = [v for v in mine if v.kind == "dynamic"]
+    for v in mine:
         if v.kind != "static":
             continue
         sizes = {d: r.min for d, r in v.dims.items()}
         fallback = next((d for d in dynamic if all(sizes[k] in d.dims[k] for k in sizes)), None)
         if fallback is None:
             continue
-        args = make_inputs(profile, sizes, seed=profile.check.seed)
-        static_ms = _median_ms(lambda: compiled.run_variant(v.id, *args), repeats)
-        dynamic_ms = _median_ms(lambda: compiled.run_variant(fallback.id, *args), repeats)
+        args = to_device(make_inputs(profile, sizes, seed=profile.check.seed), v.device, None)
+        sync = torch.cuda.synchronize if v.device == "cuda" else (lambda: None)
+        static_ms = _median_ms(lambda: (compiled.run_variant(v.id, *args), sync()), repeats)
+        dynamic_ms = _median_ms(lambda: (compiled.run_variant(fallback.id, *args), sync()), repeats)
         speedup = dynamic_ms / static_ms if static_ms > 0 else float("inf")
         out.append(
             {

@@ -57,8 +57,20 @@ class CheckReport:
     per_shape: list[dict[str, Any]] = field(default_factory=list)
 
 
-def compare(profile: Profile, eager: Any, compiled: Any, sizes: dict[str, int], variant: str, report: CheckReport) -> None:
-    """Raise CheckError when ``compiled`` disagrees with ``eager``; record the error in ``report``."""
+def compare(
+    profile: Profile,
+    eager: Any,
+    compiled: Any,
+    sizes: dict[str, int],
+    variant: str,
+    report: CheckReport,
+    compute_dtype: str | None = None,
+) -> None:
+    """Raise CheckError when ``compiled`` disagrees with ``eager``; record the error in ``report``.
+
+    A variant computing in a lower precision (``compute_dtype``, CUDA builds) is compared after
+    casting its floating outputs back, with that dtype's tolerance.
+    """
     shape = ", ".join(f"{d}={n}" for d, n in sizes.items()) or "static shape"
     want, got = flatten(eager), flatten(compiled)
     if len(want) != len(got):
@@ -66,9 +78,12 @@ def compare(profile: Profile, eager: Any, compiled: Any, sizes: dict[str, int], 
     worst = 0.0
     for i, (w, g) in enumerate(zip(want, got)):
         where = f"variant {variant}, {shape}, output {i}"
+        g = g.cpu()
+        if compute_dtype is not None and g.is_floating_point() and w.is_floating_point():
+            g = g.to(w.dtype)
         if tuple(w.shape) != tuple(g.shape) or w.dtype != g.dtype:
             raise CheckError(f"{where}: eager gave {w.dtype} {tuple(w.shape)}, compiled {g.dtype} {tuple(g.shape)}")
-        dtype = str(w.dtype).removeprefix("torch.")
+        dtype = compute_dtype if compute_dtype is not None and w.is_floating_point() else str(w.dtype).removeprefix("torch.")
         atol, rtol = profile.tolerance(dtype)
         if w.is_floating_point():
             err = (w.double() - g.double()).abs()

@@ -34,11 +34,18 @@ class CompiledPackage:
     metadata: dict[str, str]  # AOTInductor's own metadata (AOTI_CPU_ISA, AOTI_DEVICE_KEY, ...)
 
 
-def compile_package(ep: ExportedProgram, out: Path, options: dict[str, Any]) -> CompiledPackage:
-    """Compile ``ep`` to ``out`` (a .pt2 path), take its constants out, return both."""
+def compile_package(
+    ep: ExportedProgram, out: Path, options: dict[str, Any], *, device: str = "cpu", multi_arch: bool = False
+) -> CompiledPackage:
+    """Compile ``ep`` to ``out`` (a .pt2 path), take its constants out (as CPU tensors), return both.
+
+    For CUDA, ``multi_arch`` emits PTX beside the build GPU's SASS, so newer GPUs can run the kernels.
+    """
     import torch._inductor  # build side only
 
     configs = {**options, **MANAGED_OPTIONS}
+    if device == "cuda" and multi_arch:
+        configs["aot_inductor.emit_multi_arch_kernel"] = True
     raw = out.with_suffix(".full.pt2")
     try:
         with warnings.catch_warnings():
@@ -48,7 +55,7 @@ def compile_package(ep: ExportedProgram, out: Path, options: dict[str, Any]) -> 
         raise CompileError(f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
     constants = _strip_weights(raw, out)
     raw.unlink()
-    runner = torch._C._aoti.AOTIModelPackageLoader(str(out), "model", False, 1, -1)
+    runner = torch._C._aoti.AOTIModelPackageLoader(str(out), "model", False, 1, 0 if device == "cuda" else -1)
     missing = set(runner.get_constant_fqns()) - set(constants)
     if missing:
         raise CompileError(f"the compiled code needs constants the package did not contain: {sorted(missing)}")
@@ -67,13 +74,13 @@ def _strip_weights(src_path: Path, dst_path: Path) -> dict[str, torch.Tensor]:
             for fqn, (file, shape, stride, offset) in json.loads(src.read(cfg_name)).items():
                 member = f"{root}/data/weights/{file}"
                 if member not in bases:
-                    bases[member] = torch.load(io.BytesIO(src.read(member)), weights_only=True)
+                    bases[member] = torch.load(io.BytesIO(src.read(member)), weights_only=True, map_location="cpu")
                 if list(stride) != _contiguous_strides(shape):
                     raise CompileError(
                         f"constant {fqn!r} is laid out with strides {stride} for shape {shape}; precompile "
                         "stores weights contiguously and cannot serve this layout"
                     )
-                constants[fqn] = bases[member].as_strided(shape, stride, offset).detach().clone()
+                constants[fqn] = bases[member].as_strided(shape, stride, offset).detach().cpu().clone()
         with zipfile.ZipFile(dst_path, "w", zipfile.ZIP_STORED) as dst:
             for info in src.infolist():
                 if "/data/weights/" in info.filename or info.filename.endswith("/weights_config.json"):

@@ -13,7 +13,7 @@ from torch.export import Dim, ExportedProgram
 
 from .errors import ExportError
 from .profile import Profile
-from .samples import make_inputs
+from .samples import make_inputs, to_device
 
 
 def export_hints(ranges: dict[str, tuple[int, int]], wanted: dict[str, int]) -> dict[str, int]:
@@ -38,15 +38,22 @@ def export_hints(ranges: dict[str, tuple[int, int]], wanted: dict[str, int]) -> 
 
 
 def export_model(
-    model: torch.nn.Module, profile: Profile, ranges: dict[str, tuple[int, int]], hint: dict[str, int]
+    model: torch.nn.Module,
+    profile: Profile,
+    ranges: dict[str, tuple[int, int]],
+    hint: dict[str, int],
+    *,
+    device: str = "cpu",
+    dtype: str | None = None,
 ) -> ExportedProgram:
-    """Export ``model`` for the given dim ranges (min == max: static) with example sizes ``hint``."""
+    """Export ``model`` (already on ``device``) for the given dim ranges (min == max: static) with
+    example sizes ``hint``; floating sample inputs are cast to ``dtype`` when given."""
     dims = {d: Dim(d, min=lo, max=hi) for d, (lo, hi) in ranges.items() if lo != hi}
     dynamic_shapes = tuple(
         {axis: dims[s] for axis, s in enumerate(spec.shape) if isinstance(s, str) and s in dims} or None
         for spec in profile.inputs.values()
     )
-    args = make_inputs(profile, hint, seed=profile.check.seed)
+    args = to_device(make_inputs(profile, hint, seed=profile.check.seed), device, dtype)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -30,6 +30,8 @@ class VariantPlan:
     hint: dict[str, int]
     share: float = 0.0  # share of observed traffic this variant will serve
     count: int = 0  # calls of observed traffic it will serve
+    device: str = "cpu"
+    dtype: str | None = None  # compute dtype (CUDA variants); None: the model's own
 
     def describe(self) -> str:
         return " ".join(f"{d}={lo}" if lo == hi else f"{d}∈[{lo},{hi}]" for d, (lo, hi) in self.ranges.items())

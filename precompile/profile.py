@@ -14,6 +14,7 @@ then checked as a whole; every problem is reported as ``place: message``.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -122,12 +123,30 @@ class PolicySpec(_Strict):
     pad_value: dict[str, float] = Field(default_factory=dict, description="per input, the value pad fills with")
 
 
+class CudaSpec(_Strict):
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="compute dtype of CUDA variants: floating weights are cast at build time, floating inputs at the call",
+    )
+    arch: Optional[list[str]] = Field(
+        default=None,
+        description='compute capabilities the build is for, e.g. ["9.0"]; the build GPU must be one of them (default: the build GPU\'s)',
+    )
+    multi_arch: bool = Field(
+        default=True, description="emit PTX beside SASS (aot_inductor.emit_multi_arch_kernel), so newer GPUs run it too"
+    )
+    cuda_graphs: bool = Field(default=False, description="capture one CUDA graph per static variant at warm-up and replay it")
+
+
 class Profile(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", description="artifact name")
     model: ModelSpec
     inputs: dict[str, InputSpec] = Field(description="inputs in forward() order")
     dims: dict[str, DimSpec] = Field(default_factory=dict, description="every dim name used in an input shape")
-    target: Literal["cpu", "cuda"] = Field(default="cpu", description="device the code is compiled for")
+    target: Union[Literal["cpu", "cuda"], list[Literal["cpu", "cuda"]]] = Field(
+        default="cpu", description="device(s) the code is compiled for; a list builds one artifact for several"
+    )
+    cuda: CudaSpec = Field(default_factory=CudaSpec, description="options for CUDA variants")
     compile: CompileSpec = Field(default_factory=CompileSpec)
     check: CheckSpec = Field(default_factory=CheckSpec)
     distribution: DistributionSpec = Field(default_factory=DistributionSpec, description="observed traffic")
@@ -136,6 +155,11 @@ class Profile(_Strict):
     )
     plan: PlanSpec = Field(default_factory=PlanSpec)
     policy: PolicySpec = Field(default_factory=PolicySpec)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Devices to build for, primary first, without repeats."""
+        return tuple(dict.fromkeys([self.target] if isinstance(self.target, str) else self.target))
 
     def hint(self, dim: str) -> int:
         """The size a dim is exported with: ≥ 2, since torch.export specializes sizes 0 and 1."""
@@ -247,8 +271,11 @@ def semantic_problems(profile: Profile) -> list[tuple[str, str]]:
         if name not in used:
             problems.append((f"dims.{name}", "declared but used in no input shape"))
     problems += _plan_problems(profile)
-    if profile.target == "cuda":
-        problems.append(("target", "cuda is not built yet by this version of precompile; use target: cpu"))
+    if not profile.targets:
+        problems.append(("target", "name at least one device (cpu, cuda)"))
+    for i, arch in enumerate(profile.cuda.arch or []):
+        if not re.fullmatch(r"\d+\.\d+", arch):
+            problems.append((f"cuda.arch[{i}]", f"{arch!r} is not a compute capability like '9.0'"))
     return problems
 
 

@@ -54,3 +54,11 @@ def check_shapes(profile: Profile, ranges: dict[str, tuple[int, int]], count: in
             seen.add(key)
             unique.append(s)
     return unique
+
+
+def to_device(args: tuple[torch.Tensor, ...], device: str, dtype: str | None) -> tuple[torch.Tensor, ...]:
+    """Move sample inputs to a variant's device, casting floating ones to its compute dtype."""
+    cast = TORCH_DTYPES[dtype] if dtype is not None else None
+    return tuple(
+        t.to(device=device, dtype=cast) if cast is not None and t.is_floating_point() else t.to(device) for t in args
+    )

@@ -104,3 +104,41 @@ def tagger_build(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tagger")
     return build(write_profile(folder, TAGGER_PROFILE), folder / "artifact", jobs=2)
 
+
+def artifact_version(src: Path, dst: Path, version: int) -> Path:
+    """A copy of an artifact released under another version number: same compiled files, so it loads
+    without a second compile (the manifest lists the files, not itself)."""
+    import json
+
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["version"] = version
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return dst
+
+
+@pytest.fixture(scope="session")
+def classifier_versions(classifier_artifact, tmp_path_factory) -> list[Path]:
+    """The classifier as versions 1 to 4 (for hot swap)."""
+    folder = tmp_path_factory.mktemp("versions")
+    return [classifier_artifact] + [artifact_version(classifier_artifact, folder / f"v{n}", n) for n in (2, 3, 4)]
+
+
+# --- shipping (packs, signatures, cache): built from the session artifacts, no compile of their own ---
+
+
+@pytest.fixture(scope="session")
+def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
+    """An Ed25519 key pair made by `precompile keygen`: (private .key, public .pub)."""
+    from precompile.ship import keygen
+
+    private, public, _ = keygen(tmp_path_factory.mktemp("keys") / "release")
+    return private, public
+
+
+@pytest.fixture(scope="session")
+def classifier_pack(classifier_artifact, tmp_path_factory) -> Path:
+    """The classifier artifact as an unsigned pack (`precompile pack`)."""
+    from precompile.ship import pack
+
+    return pack(classifier_artifact, tmp_path_factory.mktemp("packs") / "classifier.tar.zst")

@@ -40,3 +40,10 @@ from . import build as _build  # noqa: E402,F401  (commands register themselves 
 from . import inspect as _inspect  # noqa: E402,F401
 from . import plan as _plan  # noqa: E402,F401
 from . import schema as _schema  # noqa: E402,F401
+from . import profile_cmd as _profile_cmd  # noqa: E402,F401
+from . import serve as _serve  # noqa: E402,F401
+from . import cache as _cache  # noqa: E402,F401
+from . import keygen as _keygen  # noqa: E402,F401
+from . import pack as _pack  # noqa: E402,F401
+from . import sign as _sign  # noqa: E402,F401
+from . import verify as _verify  # noqa: E402,F401

@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import click
+
+from . import main, user_errors
+
+SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Server processes, each loading the artifact.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 * 1024 * 1024, show_default=True, help="Larger /predict bodies get HTTP 413.")
+@click.option("--allow-reload", is_flag=True, help="Enable POST /v1/reload (an admin endpoint: it loads any path on this host).")
+@click.option("--allow-rollback", is_flag=True, help="Let a reload or --watch swap to an older version.")
+@click.option("--watch", is_flag=True, help="Follow ARTIFACT (a link or pointer file) and swap when a deploy replaces it.")
+@click.option("--watch-interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True, help="Seconds between looks at ARTIFACT.")
+@click.option("--record", metavar="PATH", help="Write the observed shape histogram to PATH ({pid}: the process id).")
+@click.option("--record-interval", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="Seconds between writes of --record (and at shutdown).")
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
+@user_errors
+def serve(
+    artifact: Path,
+    host: str,
+    port: int,
+    workers: int,
+    max_body_bytes: int,
+    allow_reload: bool,
+    allow_rollback: bool,
+    watch: bool,
+    watch_interval: float,
+    record: str | None,
+    record_interval: float,
+    no_verify: bool,
+    log_level: str,
+) -> None:
+    """Serve ARTIFACT over HTTP: POST /predict, /healthz, /readyz, /metrics, /v1/artifact.
+
+    ARTIFACT is an artifact folder, or a link or pointer file naming one (see --watch). The model is
+    loaded and warmed up in the background; /readyz answers 200 once it is. Needs the serve extra:
+    pip install 'precompile[serve]'.
+    """
+    missing = [name for name in SERVE_PACKAGES if _missing(name)]
+    if missing:
+        raise click.ClickException(
+            f"precompile serve needs {', '.join(missing)}, which the core install leaves out: "
+            "pip install 'precompile[serve]'"
+        )
+    if workers > 1 and allow_reload:
+        raise click.UsageError(
+            "--allow-reload with --workers > 1: a POST /v1/reload reaches one worker only; "
+            "deploy by replacing ARTIFACT (a link or pointer file) and serve with --watch"
+        )
+    if workers > 1 and record and "{pid}" not in record:
+        raise click.UsageError(
+            f"--record {record} with --workers {workers}: each worker writes its own file; put {{pid}} in the "
+            "path (e.g. traffic-{pid}.jsonl) and merge them with `precompile profile merge`"
+        )
+    _preflight(artifact, record)
+
+    from ..serve.config import ServeConfig
+    from ..serve.server import run
+
+    config = ServeConfig(
+        artifact=str(artifact),
+        max_body_bytes=max_body_bytes,
+        allow_reload=allow_reload,
+        allow_rollback=allow_rollback,
+        watch=watch,
+        watch_interval=watch_interval,
+        record=record,
+        record_interval=record_interval,
+        verify=not no_verify,
+    )
+    run(config, host=host, port=port, workers=workers, log_level=log_level)
+
+
+def _missing(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return True
+    return False
+
+
+def _preflight(artifact: Path, record: str | None) -> None:
+    """Refuse at once what would only fail later in the background: no artifact, one for another host,
+    an unreadable traffic file."""
+    from loader.artifact import read_manifest
+    from loader.host import check_compatible
+    from loader.live import resolve_pointer
+    from loader.traffic import expand_path, read_histogram
+
+    manifest = read_manifest(resolve_pointer(artifact))
+    check_compatible(manifest, manifest.target.device)
+    if record:
+        path = expand_path(record)
+        if not path.parent.is_dir():
+            raise click.ClickException(f"--record {record}: folder {path.parent} does not exist")
+        if path.exists():
+            read_histogram(path)  # it will be added to: it must be a traffic file

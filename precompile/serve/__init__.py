@@ -1,0 +1,10 @@
+"""``precompile serve``: an HTTP service on the loader (FastAPI under uvicorn, the ``serve`` extra).
+
+    config.py   ServeConfig: what one server process needs to know
+    codec.py    JSON request bodies to tensors, outputs back to JSON
+    metrics.py  the Prometheus metrics and their registry
+    app.py      create_app(): the endpoints, model loading and warm-up, hot swap, traffic recording
+    server.py   run(): uvicorn, one process or several workers
+
+Only ``config`` imports nothing beyond the standard library; the rest needs ``pip install 'precompile[serve]'``.
+"""

@@ -1,0 +1,273 @@
+"""The FastAPI app: ``create_app(config)``.
+
+    POST /predict      {"inputs": {...}} -> {"outputs": ..., "artifact": {"name", "version"}, "variant": ...}
+    GET  /healthz      200 while the process is up
+    GET  /readyz       200 once the artifact is loaded and warmed up, 503 before (or after a failed load)
+    GET  /metrics      Prometheus text format (see metrics.py)
+    GET  /v1/artifact  the manifest summary of what is serving, and the last swap attempt
+    POST /v1/reload    {"path": ..., "allow_rollback": false}: swap to another version (--allow-reload)
+
+The artifact is loaded and warmed up on a background thread at start-up, so /healthz answers at once
+and /readyz turns 200 when the first request would meet warm code. Predictions run on the server's
+thread pool; each runs through ``Live.call_detailed``, so its outputs, variant and
+reported version always belong together, even while a swap happens (``Live.call_detailed``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from loader import GuardError, Live, LoaderError, TrafficRecorder
+from loader.live import Serving, SwapAttempt
+
+from .codec import BodyError, dumps, parse_body, to_json, to_tensors
+from .config import ServeConfig
+from .metrics import Metrics, guard_reason, shape_bucket
+
+log = logging.getLogger("precompile.serve")
+
+
+class Service:
+    """Everything one server process holds: the Live model, metrics, the recorder."""
+
+    def __init__(self, config: ServeConfig, live: Live | None = None):
+        self.config = config
+        self.live = live if live is not None else Live(allow_rollback=config.allow_rollback, verify=config.verify)
+        self.metrics = Metrics(self.describe_serving)
+        self.live.on_attempt(self._count_attempt)
+        self.recorder: TrafficRecorder | None = None
+        self._loader: threading.Thread | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.config.record:
+            self.recorder = TrafficRecorder(self.live, self.config.record, interval=self.config.record_interval)
+        self._loader = threading.Thread(target=self._load_then_watch, name="precompile-load", daemon=True)
+        self._loader.start()
+
+    def _load_then_watch(self) -> None:
+        if not self.live.ready:
+            try:
+                self.live.swap(self.config.artifact)
+            except Exception:  # noqa: BLE001: logged by _count_attempt; /readyz reports it
+                pass
+        if self.config.watch:
+            self.live.watch(self.config.artifact, interval=self.config.watch_interval)
+
+    def stop(self) -> None:
+        if self._loader is not None:
+            self._loader.join()
+        self.live.close()
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def _count_attempt(self, attempt: SwapAttempt) -> None:
+        self.metrics.reloads.labels("ok" if attempt.ok else "failed").inc()
+        if attempt.ok:
+            log.info("serving %s version %s from %s", self.live.serving.name, attempt.version, attempt.path)
+        else:
+            log.error("could not load %s: %s", attempt.requested, attempt.error)
+
+    def describe_serving(self) -> dict | None:
+        serving = self.live.current
+        return serving.describe() if serving is not None else None
+
+    # --- predict -------------------------------------------------------------------------------
+
+    def predict(self, body: bytes) -> Response:
+        start = time.perf_counter()
+        try:
+            serving = self.live.serving
+        except LoaderError as e:  # nothing loaded yet
+            return self._error(503, str(e), None)
+        try:
+            # Decoded against the version read here; the call may run on a newer one, which the
+            # swap checks has the same inputs.
+            inputs = to_tensors(parse_body(body), serving.model.manifest)
+            outputs, variant, serving = self.live.call_detailed(**inputs)
+        except LoaderError as e:
+            if isinstance(e, GuardError):
+                return self._error(422, str(e), guard_reason(e))
+            return self._error(503, str(e), None)
+        except BodyError as e:
+            return self._error(422, str(e), "invalid_body")
+        except Exception as e:  # noqa: BLE001: a bug or a runtime failure; this request fails, the server serves on
+            log.exception("predict failed")
+            return self._error(500, f"internal error: {type(e).__name__}: {_first_line(e)}", None)
+        try:
+            payload = dumps(
+                {"outputs": to_json(outputs), "artifact": {"name": serving.name, "version": serving.version}, "variant": variant}
+            )
+        except ValueError:
+            return self._error(500, "the outputs hold NaN or infinity, which JSON cannot carry", None)
+        self.metrics.latency.labels(variant).observe(time.perf_counter() - start)
+        self.metrics.shapes.labels(shape_bucket(_dims(serving.model, inputs))).inc()
+        self.metrics.requests.labels("200").inc()
+        return Response(payload, media_type="application/json")
+
+    def _error(self, code: int, detail: str, reason: str | None) -> JSONResponse:
+        self.metrics.requests.labels(str(code)).inc()
+        if reason is not None:
+            self.metrics.rejections.labels(reason).inc()
+        body: dict[str, Any] = {"detail": detail}
+        if reason is not None:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=code)
+
+    def too_large(self) -> JSONResponse:
+        return self._error(
+            413, f"the body is larger than the {self.config.max_body_bytes} bytes this server accepts", "too_large"
+        )
+
+    # --- artifact and reload -------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        serving = self.live.serving
+        m = serving.model.manifest
+        return {
+            **serving.describe(),
+            "created": m.created,
+            "expires": m.expires,
+            "torch_version": m.torch_version,
+            "precompile_version": m.precompile_version,
+            "device": serving.model.device,
+            "inputs": [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape)} for i in m.inputs],
+            "dims": {d: {"min": r.min, "max": r.max} for d, r in m.dims.items()},
+            "output": m.output.to_dict(),
+            "variants": [
+                {"id": v.id, "kind": v.kind, "dims": {d: [r.min, r.max] for d, r in v.dims.items()}, "hint": v.hint}
+                for v in m.variants
+            ],
+            "last_attempt": self.live.last_attempt.describe() if self.live.last_attempt else None,
+        }
+
+    def reload(self, path: str | None, allow_rollback: bool | None) -> JSONResponse:
+        before = self.describe_serving()
+        try:
+            new: Serving = self.live.swap(path if path is not None else self.config.artifact, allow_rollback=allow_rollback)
+        except LoaderError as e:
+            return JSONResponse({"detail": str(e), "serving": before}, status_code=422)
+        return JSONResponse({"serving": new.describe(), "previous": before})
+
+
+def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
+    """The service for ``config``. ``live``: serve this (already loaded) holder instead of loading
+    ``config.artifact`` at start-up, for embedding and tests."""
+    service = Service(config, live)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    app = FastAPI(title="precompile serve", lifespan=lifespan)
+    app.state.service = service
+
+    @app.post("/predict")
+    async def predict(request: Request) -> Response:
+        """Run the model: {"inputs": {name: nested list}} -> {"outputs": ..., "artifact": ..., "variant": ...}."""
+        limit = config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return service.too_large()
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return service.too_large()
+        return await run_in_threadpool(service.predict, bytes(body))
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        """The process is up."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        """The artifact is loaded and warmed up."""
+        serving = service.describe_serving()
+        if serving is not None:
+            return JSONResponse({"status": "ready", "name": serving["name"], "version": serving["version"]})
+        attempt = service.live.last_attempt
+        if attempt is not None and not attempt.ok:
+            return JSONResponse({"status": "failed", "detail": attempt.error}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        """Prometheus metrics."""
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/artifact")
+    def artifact() -> JSONResponse:
+        """What is serving: the manifest summary, its digest, and the last swap attempt."""
+        try:
+            return JSONResponse(service.summary())
+        except LoaderError as e:
+            return JSONResponse({"detail": str(e)}, status_code=503)
+
+    @app.post("/v1/reload")
+    async def reload(request: Request) -> JSONResponse:
+        """Swap to another artifact version: {"path": "...", "allow_rollback": false}; no path: the served path again."""
+        if not config.allow_reload:
+            return JSONResponse({"detail": "reload is off: start the server with --allow-reload"}, status_code=403)
+        raw = await request.body()
+        try:
+            path, allow_rollback = _reload_request(raw)
+        except BodyError as e:
+            return JSONResponse({"detail": str(e)}, status_code=422)
+        return await run_in_threadpool(service.reload, path, allow_rollback)
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn's factory in each worker process (``precompile serve --workers N``)."""
+    logging.basicConfig(level=logging.INFO)
+    return create_app(ServeConfig.from_env())
+
+
+def _reload_request(raw: bytes) -> tuple[str | None, bool | None]:
+    if not raw.strip():
+        return None, None
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise BodyError(f"the body is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or not set(data) <= {"path", "allow_rollback"}:
+        raise BodyError('expected {"path": "<artifact folder or pointer>", "allow_rollback": false}')
+    path, allow_rollback = data.get("path"), data.get("allow_rollback")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise BodyError('"path" must be a non-empty string')
+    if allow_rollback is not None and not isinstance(allow_rollback, bool):
+        raise BodyError('"allow_rollback" must be true or false')
+    return path, allow_rollback
+
+
+def _dims(model, inputs: dict[str, Any]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for spec in model.manifest.inputs:
+        shape = inputs[spec.name].shape
+        for axis, s in enumerate(spec.shape):
+            if isinstance(s, str):
+                sizes[s] = shape[axis]
+    return {d: sizes[d] for d in model.manifest.dims if d in sizes}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,88 @@
+"""The service's Prometheus metrics.
+
+    precompile_requests_total{code}                  /predict responses by HTTP status
+    precompile_predict_seconds{variant}              latency of successful predictions (histogram; _count
+                                                     is the number of requests each variant served)
+    precompile_rejections_total{reason}              refused predictions: a guard's reason (out_of_range,
+                                                     dtype, ...), invalid_body or too_large
+    precompile_shape_calls_total{shape}              predictions per shape bucket (each dim rounded up
+                                                     to a power of two: batch=3-4,seq=65-128)
+    precompile_reloads_total{result}                 swaps to a new version: ok | failed
+    precompile_artifact_info{name,version,digest}    what is serving (read at scrape time)
+
+Each app has its own registry. With several uvicorn workers the counters live in
+``PROMETHEUS_MULTIPROC_DIR`` and every scrape sums them over the workers; the artifact info is then
+the answering worker's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import InfoMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+def guard_reason(error: Exception) -> str:
+    """The label of a refused call: the GuardError's own ``reason``."""
+    return getattr(error, "reason", None) or "other"
+
+
+def size_bucket(size: int) -> str:
+    """The power-of-two bucket holding ``size``: 0, 1, 2, 3-4, 5-8, ..., 65-128, ..."""
+    if size <= 2:
+        return str(size)
+    upper = 1 << (size - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
+
+
+def shape_bucket(dims: dict[str, int]) -> str:
+    return ",".join(f"{name}={size_bucket(size)}" for name, size in dims.items())
+
+
+class ArtifactInfo(Collector):
+    """Reports what is serving when scraped, so a swap needs no bookkeeping here."""
+
+    def __init__(self, serving: Callable[[], dict | None]):
+        self._serving = serving  # not "describe": the registry calls a collector's describe()
+
+    def collect(self) -> Iterator[InfoMetricFamily]:
+        metric = InfoMetricFamily("precompile_artifact", "The artifact being served")
+        serving = self._serving()
+        if serving is not None:
+            metric.add_metric([], {"name": serving["name"], "version": str(serving["version"]), "digest": serving["digest"]})
+        yield metric
+
+
+class Metrics:
+    def __init__(self, describe_artifact: Callable[[], dict | None]):
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.registry = CollectorRegistry()
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry)
+            owner = None  # values live in files; the collector above reads every worker's
+        else:
+            owner = self.registry
+        self.requests = Counter("precompile_requests", "/predict responses by HTTP status", ["code"], registry=owner)
+        self.latency = Histogram(
+            "precompile_predict_seconds", "Latency of successful /predict requests, by variant", ["variant"],
+            buckets=LATENCY_BUCKETS, registry=owner,
+        )
+        self.rejections = Counter(
+            "precompile_rejections", "Refused /predict requests by reason", ["reason"], registry=owner
+        )
+        self.shapes = Counter(
+            "precompile_shape_calls", "Predictions per shape bucket (dims rounded up to powers of two)", ["shape"],
+            registry=owner,
+        )
+        self.reloads = Counter("precompile_reloads", "Swaps to a new artifact version, by result", ["result"], registry=owner)
+        self.registry.register(ArtifactInfo(describe_artifact))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
