@@ -10,11 +10,11 @@ variant takes, so Inductor's size hints fit the traffic it will really serve. Sh
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from loader.policy import split_sizes
+from loader.traffic import TrafficFileError, read_histogram
 
 from .errors import ProfileError
 from .profile import LoadedProfile, Profile
@@ -103,25 +103,19 @@ def read_distribution(loaded: LoadedProfile) -> dict[Shape, int]:
     for i, item in enumerate(profile.distribution.shapes):
         entry = dict(item)
         add({k: v for k, v in entry.items() if k != "count"}, entry.get("count", 1), f"distribution.shapes[{i}]")
-    if profile.distribution.file is not None:
+    if profile.distribution.file is not None and not problems:
         path = loaded.folder / profile.distribution.file
+
+        def same_dims(sizes: dict[str, int], where: str) -> None:
+            if set(sizes) != set(dims):
+                raise TrafficFileError(f"{where}: dims {sorted(sizes)} are not the profile's {sorted(dims)}")
+
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except OSError as e:
-            raise ProfileError(source, [("distribution.file", f"cannot read {path}: {e.strerror or e}")]) from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            place = f"distribution.file: {path.name}:{n}"
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                problems.append((place, f"not JSON ({e})"))
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("dims"), dict) or set(obj) - {"dims", "count"}:
-                problems.append((place, 'expected {"dims": {...}, "count": N}'))
-                continue
-            add(obj["dims"], obj.get("count", 1), place)
+            recorded = read_histogram(path, check=same_dims)
+        except TrafficFileError as e:
+            raise ProfileError(source, [("distribution.file", str(e))]) from None
+        for key, count in recorded.items():
+            add(dict(key), count, f"distribution.file: {path.name}")
     if problems:
         raise ProfileError(source, problems[:20] + ([("", f"... and {len(problems) - 20} more")] if len(problems) > 20 else []))
     return counts
