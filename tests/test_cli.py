@@ -51,3 +51,9 @@ def test_inspect_missing_artifact_is_a_clean_error(tmp_path):
     result = invoke("inspect", str(tmp_path / "nope"))
     assert result.exit_code == 1
     assert "no such artifact" in result.output and "Traceback" not in result.output
+
+
+def test_inspect_reads_a_pack_without_unpacking_it(classifier_pack, classifier_artifact):
+    result = invoke("inspect", str(classifier_pack), "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.output)["files"] == json.loads((classifier_artifact / "manifest.json").read_text())["files"]

@@ -13,10 +13,11 @@ from . import main, user_errors
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @user_errors
 def inspect(artifact: Path, as_json: bool) -> None:
-    """Show what an artifact holds: target, torch, inputs and dim ranges, variants, files."""
+    """Show what an artifact (folder or pack) holds: target, torch, inputs and dim ranges, variants, files."""
     from loader.artifact import read_manifest
+    from loader.pack import read_head
 
-    manifest = read_manifest(artifact)
+    manifest = read_head(artifact).manifest if artifact.is_file() else read_manifest(artifact)
     if as_json:
         click.echo(json.dumps(manifest.to_dict(), indent=2))
         return
@@ -26,7 +27,7 @@ def inspect(artifact: Path, as_json: bool) -> None:
 def describe(manifest) -> str:
     t = manifest.target
     lines = [
-        f"name      {manifest.name}",
+        f"name      {manifest.name}   version {manifest.version}" + (f"   expires {manifest.expires}" if manifest.expires else ""),
         f"target    {t.device} ({t.cpu_capability}; {t.platform}/{t.machine})",
         f"torch     {manifest.torch_version}   precompile {manifest.precompile_version}   built {manifest.created}",
         "inputs",
@@ -39,7 +40,16 @@ def describe(manifest) -> str:
     lines.append("variants")
     for v in manifest.variants:
         ranges = ", ".join(f"{d}={r.min}" if r.min == r.max else f"{d} {r}" for d, r in v.dims.items())
-        lines.append(f"  {v.id:<12} {v.kind:<8} {ranges}")
+        lines.append(f"  {v.id:<18} {v.kind:<8} {v.device:<5} {ranges}" + (f"  ({v.dtype})" if v.dtype else ""))
+    if manifest.cuda is not None:
+        c = manifest.cuda
+        lines.append(
+            f"cuda      built on {c.device_name} ({c.capability}), kernels for {', '.join(c.archs)}"
+            f"{' + PTX' if c.multi_arch else ''}, CUDA {c.torch_cuda}{', CUDA graphs' if c.cuda_graphs else ''}"
+        )
+    policies = {d: p for d, p in manifest.policy.items() if p != "error"}
+    if policies:
+        lines.append("policy    " + ", ".join(f"{d}: {p}" for d, p in policies.items()))
     lines.append("files")
     for path, entry in manifest.files.items():
         lines.append(f"  {path:<32} {_size(entry.size):>10}  sha256:{entry.sha256[:12]}")
