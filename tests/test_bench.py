@@ -1,0 +1,190 @@
+"""The benchmark harness (bench/): its request streams, hand-bucketing baseline and report.
+
+The quick run compiles for a few minutes, so it runs only under ``make bench-quick``
+(PRECOMPILE_BENCH_QUICK=1), which CI runs after ``make test``. No test asserts anything about timings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from bench.cases import QUICK
+from bench.steady import percentile
+from bench.workload import all_buckets, bucket_for, cut, draw, inputs_for, pad, read_profile
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_profile():
+    return read_profile(QUICK.profile)
+
+
+@pytest.fixture(scope="module")
+def quick_model(quick_profile):
+    spec = importlib.util.spec_from_file_location("bench_models", QUICK.profile.parent / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)  # profiles/bench/models.py: seq2seq needs torch only
+    return models.seq2seq(**quick_profile.model.kwargs)
+
+
+def test_stream_is_deterministic_and_inside_the_declared_dims(quick_profile):
+    first = draw(quick_profile, QUICK.profile, 200, seed=1)
+    assert first == draw(quick_profile, QUICK.profile, 200, seed=1)
+    assert first != draw(quick_profile, QUICK.profile, 200, seed=2)
+    for sizes in first:
+        for d, n in sizes.items():
+            assert quick_profile.dims[d].min <= n <= quick_profile.dims[d].max
+
+
+def test_stream_follows_the_distribution_counts(quick_profile):
+    stream = draw(quick_profile, QUICK.profile, 4000, seed=3)
+    hottest = sum(1 for s in stream if s == {"batch": 1, "seq": 16})
+    assert 0.3 < hottest / len(stream) < 0.5  # 40 of the 100 counted calls
+
+
+def test_a_request_goes_to_the_smallest_bucket_that_holds_it():
+    buckets = {"batch": (1, 4), "seq": (8, 16)}
+    assert bucket_for({"batch": 3, "seq": 9}, buckets) == {"batch": 4, "seq": 16}
+    assert bucket_for({"batch": 1, "seq": 8}, buckets) == {"batch": 1, "seq": 8}
+    with pytest.raises(ValueError, match="larger than the largest bucket"):
+        bucket_for({"batch": 5, "seq": 8}, buckets)
+    assert len(all_buckets(buckets, ["batch", "seq"], {})) == 4
+
+
+def test_hand_bucketing_is_exact_on_the_masked_transformer(quick_profile, quick_model):
+    sizes = {"batch": 3, "seq": 9}
+    args = inputs_for(quick_profile, sizes, seed=0)
+    padded = pad(quick_profile, args, bucket_for(sizes, QUICK.buckets))
+    assert padded[0].shape == (4, 16, 64) and not padded[2][:, 9:].any()
+    with torch.inference_mode():
+        want = quick_model(*args)
+        got = cut(quick_profile, quick_model(*padded), sizes)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    assert percentile(list(range(101)), 99) == 99
+
+
+def synthetic_results() -> dict:
+    """The shape of results.json, with made-up numbers (for the report alone)."""
+    cold = {
+        label: {
+            "seconds": [s, s * 1.1],
+            "median": s,
+            "min": s,
+            "max": s * 1.1,
+            "marks": {"import torch": 1.0} if label == "import torch" else {"import torch": 1.0, "model ready": 1.1},
+            "max_error": 0.0,
+            "correct": True,
+        }
+        for label, s in [
+            ("import torch", 1.0),
+            ("eager", 1.3),
+            ("precompile", 1.1),
+            ("torch.compile cold", 20.0),
+            ("torch.compile warm cache", 5.5),
+            ("torch.compile Mega-Cache", 17.6),
+        ]
+    }
+    methods = ["eager", "compile", "buckets-eager", "buckets-compile", "precompile-dynamic", "precompile-planned"]
+    work = [4, 8, 16, 32, 64, 64]
+    steady = {
+        m: {
+            "latency_ms": [w / (i + 1) for w in work],
+            "p50_ms": 1.0,
+            "p99_ms": 2.0,
+            "mean_ms": 1.2,
+            "requests_per_s": 833.3,
+            "peak_rss_mb": 300.0,
+            "ready_s": 0.5,
+            "max_error": 1e-7,
+        }
+        for i, m in enumerate(methods)
+    }
+    steady["precompile-planned"]["calls_per_variant"] = {"static-0": 2, "dynamic": 4}
+    build = {
+        "wall_s": 30.0,
+        "variants": [{"id": "dynamic", "kind": "dynamic", "dims": {}, "compile_s": 20.0}],
+        "unpacked_bytes": 3_000_000,
+        "packed_bytes": 1_000_000,
+    }
+    case = {
+        "description": "a made-up model",
+        "profile": "profiles/bench/quick.yaml",
+        "exact_padding": True,
+        "buckets": {"batch": [1, 4]},
+        "cold_shape": {"batch": 1, "seq": 16},
+        "builds": {"planned": build, "dynamic": build},
+        "cold_start": cold,
+        "overhead": {"variant": "dynamic", "raw_us": 100.0, "loader_us": 106.0, "overhead_us": 6.0, "select_us": 4.0, "shape": {"batch": 1}},
+        "requests": [{"batch": w} for w in work],
+        "work": work,
+        "work_unit": "batch",
+        "steady": steady,
+        "seconds": 60.0,
+    }
+    machine = {
+        "cpu": "a CPU",
+        "cores": 2,
+        "torch_threads": 2,
+        "memory_gb": 24.0,
+        "platform": "Linux",
+        "cpu_capability": "AVX512",
+        "versions": {"python": "3.11", "torch": torch.__version__},
+        "date": "today",
+    }
+    return {"mode": "quick", "machine": machine, "sizes": {"runs": 2, "requests": 6, "warmup": 1}, "cases": {"made-up": case}, "seconds": 60.0}
+
+
+def test_report_writes_json_markdown_and_charts(tmp_path):
+    pytest.importorskip("matplotlib", reason="the bench extra is not installed")
+    from bench.report import write_all
+
+    written = write_all(synthetic_results(), tmp_path)
+    assert sorted(p.name for p in written) == ["README.md", "coldstart.png", "results.json", "steady.png"]
+    assert json.loads((tmp_path / "results.json").read_text())["cases"]["made-up"]["work"] == [4, 8, 16, 32, 64, 64]
+    md = (tmp_path / "README.md").read_text()
+    assert "| torch.compile Mega-Cache | 17.60 |" in md
+    assert "| precompile-planned | 1.00 | 2.00 |" in md
+    for chart in ("coldstart.png", "steady.png"):
+        assert (tmp_path / chart).read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("PRECOMPILE_BENCH_QUICK"), reason="compiles for minutes: run by `make bench-quick`"
+)
+def test_quick_run_writes_results_and_every_method_matches_eager(tmp_path):
+    for module in ("transformers", "matplotlib"):
+        if importlib.util.find_spec(module) is None:
+            pytest.fail(f"{module} is missing: `make bench-quick` installs the bench extra")
+    from bench.__main__ import main
+
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    case = results["cases"][QUICK.name]
+    assert set(case["cold_start"]) == {
+        "import torch",
+        "eager",
+        "precompile",
+        "torch.compile cold",
+        "torch.compile warm cache",
+        "torch.compile Mega-Cache",
+    }
+    assert all(r["correct"] for r in case["cold_start"].values()), case["cold_start"]
+    assert set(case["steady"]) == {"eager", "compile", "buckets-eager", "buckets-compile", "precompile-dynamic", "precompile-planned"}
+    for method, r in case["steady"].items():
+        assert len(r["latency_ms"]) == results["sizes"]["requests"], method
+        assert r["max_error"] is not None and r["max_error"] < 1e-3, (method, r["max_error"])
+    assert set(case["builds"]) == {"planned", "dynamic"}
+    assert "| precompile |" in (tmp_path / "README.md").read_text()
+    for chart in ("coldstart.png", "steady.png"):
+        assert (tmp_path / chart).read_bytes().startswith(PNG_MAGIC)
