@@ -20,19 +20,12 @@ from precompile.cli import main
 from precompile.errors import ProfileError
 from precompile.profile import load_profile
 
-from .conftest import write_profile
+from .conftest import STRUCTURED_PROFILE, write_profile
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour of a host without CUDA")
 
-STRUCTURED = """
-name: tiny-structured
-model: {factory: "tiny:structured"}
-inputs:
-  x: {shape: [batch, 8], dtype: float32}
-dims:
-  batch: {min: 1, max: 32}
-"""
+STRUCTURED = STRUCTURED_PROFILE
 
 H100 = CudaInfo(torch_cuda="12.8", capability="9.0", archs=("9.0",), multi_arch=False, cuda_graphs=False)
 H100_PTX = CudaInfo(torch_cuda="12.8", capability="9.0", archs=("9.0",), multi_arch=True, cuda_graphs=False)
