@@ -9,7 +9,7 @@ row where a Python lock serializes the calls. Each combination runs in a fresh p
 reads its thread count once. It also checks that every concurrent result equals the serial one.
 
 ``num_runners`` is not an option of ``loader.load()`` yet; this script patches the single function
-that opens packages (``loader.model._open_package``), for measuring only.
+that opens packages (``loader.model.open_package``), for measuring only.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def measure(artifact: str, runners: int, threads: int, lock: bool, seconds: floa
     def open_package(path: str):
         return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, False, runners, -1)
 
-    model_module._open_package = open_package
+    model_module.open_package = open_package
     model = loader.load(artifact)
     model.warmup()
     gen = torch.Generator().manual_seed(0)

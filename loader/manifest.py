@@ -473,16 +473,24 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
     )
 
 
+def expires_problem(text: str) -> str | None:
+    """Why ``text`` is not a valid ``expires`` (an ISO 8601 date-time with a time zone), or None."""
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return f"{text!r} is not an ISO 8601 date-time"
+    if moment.tzinfo is None:
+        return f"{text!r} needs a time zone (e.g. 2027-01-01T00:00:00+00:00)"
+    return None
+
+
 def _expires(r: _Reader, value: Any) -> str | None:
     if value is None:
         return None
     text = r.str(value, "expires")
-    try:
-        moment = datetime.datetime.fromisoformat(text)
-    except ValueError:
-        raise r.fail("expires", f"{text!r} is not an ISO 8601 date-time") from None
-    if moment.tzinfo is None:
-        raise r.fail("expires", f"{text!r} needs a time zone (e.g. 2027-01-01T00:00:00+00:00)")
+    problem = expires_problem(text)
+    if problem is not None:
+        raise r.fail("expires", problem)
     return text
 
 

@@ -29,7 +29,7 @@ from .weights import MappedWeights
 MAX_SHAPES_TRACKED = 10_000
 
 
-def _open_package(path: str, *, single_threaded: bool = False, device_index: int | None = None) -> Any:
+def open_package(path: str, *, single_threaded: bool = False, device_index: int | None = None) -> Any:
     """Open one AOTInductor package without importing torch._inductor.
 
     ``torch._C._aoti.AOTIModelPackageLoader`` is what ``torch._inductor.aoti_load_package`` wraps; it is
@@ -319,7 +319,7 @@ def _open_runners(
         if v.device != kind:
             continue
         try:
-            runner = _open_package(str(root / v.file), single_threaded=graphs and v.kind == "static", device_index=index)
+            runner = open_package(str(root / v.file), single_threaded=graphs and v.kind == "static", device_index=index)
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
             raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {_first_line(e)}") from None

@@ -28,14 +28,14 @@ import loader
 from loader import constants as C
 from loader.host import cpu_capability
 from loader.guards import TORCH_DTYPES
-from loader.manifest import CudaInfo, DimRange, InputSpec, Manifest, OutputSpec, Target, Variant, parse_manifest
+from loader.manifest import CudaInfo, DimRange, InputSpec, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
 
 from . import __version__
 from .check import CheckReport, compare, flatten, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
 from .errors import CompileError, PrecompileError, ProfileError
 from .export import export_hints, export_model
-from .plan import Plan, VariantPlan, plan_variants, read_distribution
+from .plan import Plan, VariantPlan, make_plan
 from .profile import LoadedProfile, Profile, load_profile
 from .progress import Progress
 from .resolve import resolve_model
@@ -77,7 +77,7 @@ def build(
     with progress.stage("profile", str(profile_path)):
         loaded = load_profile(profile_path)
         profile = loaded.profile
-        plan = plan_variants(profile, read_distribution(loaded))
+        plan = make_plan(loaded)
     target = Path(output) if output is not None else Path("artifacts") / profile.name
     devices = usable_targets(profile, progress)
     cuda = cuda_info(profile) if "cuda" in devices else None
@@ -464,11 +464,6 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def _check_expires(expires: str | None) -> None:
-    if expires is None:
-        return
-    try:
-        moment = datetime.datetime.fromisoformat(expires)
-    except ValueError:
-        raise PrecompileError(f"--expires: {expires!r} is not an ISO 8601 date-time") from None
-    if moment.tzinfo is None:
-        raise PrecompileError(f"--expires: {expires!r} needs a time zone, e.g. {expires}+00:00")
+    problem = expires_problem(expires) if expires is not None else None
+    if problem is not None:
+        raise PrecompileError(f"--expires: {problem}")

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from loader.model import open_package
+
 from .errors import CompileError
 
 MANAGED_OPTIONS = {
@@ -55,7 +57,7 @@ def compile_package(
         raise CompileError(f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
     constants = _strip_weights(raw, out)
     raw.unlink()
-    runner = torch._C._aoti.AOTIModelPackageLoader(str(out), "model", False, 1, 0 if device == "cuda" else -1)
+    runner = open_package(str(out), device_index=0 if device == "cuda" else None)
     missing = set(runner.get_constant_fqns()) - set(constants)
     if missing:
         raise CompileError(f"the compiled code needs constants the package did not contain: {sorted(missing)}")

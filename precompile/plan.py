@@ -222,12 +222,8 @@ def _policy_serves(profile: Profile, sizes: dict[str, int]) -> bool:
     return True
 
 
-def default_plan(profile: Profile) -> list[VariantPlan]:
-    """The plan for a profile without observed traffic: dynamic variants over every declared range."""
-    return list(plan_variants(profile, {}).variants)
-
-
 def make_plan(loaded: LoadedProfile) -> Plan:
+    """The plan for a loaded profile and the traffic it names."""
     return plan_variants(loaded.profile, read_distribution(loaded))
 
 

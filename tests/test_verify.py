@@ -118,7 +118,7 @@ def test_load_refuses_before_any_compiled_code_or_unpacking(classifier_artifact,
     if read_manifest(classifier_artifact).target.aoti_cpu_isa in ("AVX2", "INVALID_VEC_ISA"):
         pytest.skip("built on an AVX2 host: an AVX2 host runs it")
     monkeypatch.setattr(loader.host, "host_facts", lambda: dataclasses.replace(HASWELL, torch_version=torch.__version__))
-    monkeypatch.setattr(loader.model, "_open_package", lambda *a: pytest.fail("compiled code opened"))
+    monkeypatch.setattr(loader.model, "open_package", lambda *a, **k: pytest.fail("compiled code opened"))
     for path in (classifier_artifact, classifier_pack):
         with pytest.raises(IncompatibleArtifactError, match=r"cannot run on this host:\n  - cpu: the code was compiled for AVX512"):
             loader.load(path, cache_dir=tmp_path / "cache")

@@ -14,11 +14,11 @@ from . import main, user_errors
 @user_errors
 def plan(profile: Path, as_json: bool) -> None:
     """Show the variants PROFILE's traffic calls for, without building anything."""
-    from ..plan import format_plan, plan_variants, read_distribution
+    from ..plan import format_plan, make_plan
     from ..profile import load_profile
 
     loaded = load_profile(profile)
-    result = plan_variants(loaded.profile, read_distribution(loaded))
+    result = make_plan(loaded)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
