@@ -7,6 +7,7 @@ is tested without a GPU; ``host_facts()`` reads the facts of this host.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,10 @@ class GraphedRunner:
 
     The automatic form of the hand-written "capture a graph per bucket" code. The runner must have been
     opened single-threaded, so that it runs on the capturing stream with fixed memory.
+
+    One graph has one set of buffers, so calls take turns: a lock covers copy-in, replay and copy-out,
+    and each call's stream first waits for the previous call's copy-out (callers on other streams
+    would otherwise overwrite the buffers while an earlier replay still reads them).
     """
 
     def __init__(self, runner, example: list[torch.Tensor], warmup: int = 3):
@@ -103,12 +108,22 @@ class GraphedRunner:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.outputs = runner.run(self.inputs)
+        self._lock = threading.Lock()
+        self._done = None  # event recorded after the last call's copy-out
 
     def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        for buffer, t in zip(self.inputs, tensors):
-            buffer.copy_(t, non_blocking=True)
-        self.graph.replay()
-        return [o.clone() for o in self.outputs]
+        with self._lock:
+            on_gpu = self.outputs[0].is_cuda if self.outputs else False
+            if on_gpu and self._done is not None:
+                torch.cuda.current_stream(self.outputs[0].device).wait_event(self._done)
+            for buffer, t in zip(self.inputs, tensors):
+                buffer.copy_(t, non_blocking=True)
+            self.graph.replay()
+            out = [o.clone() for o in self.outputs]
+            if on_gpu:
+                self._done = torch.cuda.Event()
+                self._done.record(torch.cuda.current_stream(self.outputs[0].device))
+            return out
 
     def get_constant_fqns(self) -> list[str]:
         return self.runner.get_constant_fqns()

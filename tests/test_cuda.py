@@ -163,3 +163,60 @@ def test_cuda_build_load_and_graphs(tmp_path):
     assert variant == "cuda-static-0" and out["hidden"].device.type == "cuda"
     with pytest.raises(loader.GuardError, match="tensor is on cpu, the model runs on cuda:0"):
         model(x.cpu())
+
+
+class _SlowGraph:
+    """Stands in for a CUDA graph on CPU buffers: replay reads the input buffer, yields to other
+    threads (as a GPU replay runs while the host goes on), then writes the output buffer."""
+
+    def __init__(self, inputs, outputs):
+        self.inputs, self.outputs = inputs, outputs
+
+    def replay(self):
+        import time
+
+        value = self.inputs[0].clone()
+        time.sleep(0.001)
+        self.outputs[0].copy_(value * 2)
+
+
+def test_graph_replays_from_concurrent_callers_never_exchange_results():
+    """One graph has one set of buffers: without the lock, a caller gets another caller's result."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loader.cuda import GraphedRunner
+
+    graphed = GraphedRunner.__new__(GraphedRunner)
+    graphed.inputs, graphed.outputs = [torch.zeros(4)], [torch.zeros(4)]
+    graphed.graph = _SlowGraph(graphed.inputs, graphed.outputs)
+    graphed._lock, graphed._done = threading.Lock(), None
+
+    def call(i):
+        (out,) = graphed.run([torch.full((4,), float(i))])
+        return i, out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, range(200)))
+    wrong = [i for i, out in results if not torch.equal(out, torch.full((4,), 2.0 * i))]
+    assert wrong == []
+
+
+@needs_cuda
+def test_graphed_variant_serves_concurrent_callers_their_own_results(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = write_profile(tmp_path, STRUCTURED + "target: cuda\ncuda: {cuda_graphs: true}\ndistribution: {shapes: [{batch: 4, count: 9}]}\n")
+    model = loader.load(build(path, tmp_path / "out", jobs=1).path, device="cuda:0")
+    model.warmup()
+    inputs = [torch.randn(4, 8, device="cuda") for _ in range(16)]
+    want = [model.run_variant("cuda-dynamic", x)["hidden"] for x in inputs]
+
+    def call(i):
+        out, variant = model.call_detailed(inputs[i % 16])
+        return i, variant, out["hidden"]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, range(400)))
+    assert {v for _, v, _ in results} == {"cuda-static-0"}
+    assert all(torch.allclose(out, want[i % 16], atol=1e-4) for i, _, out in results)
