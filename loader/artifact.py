@@ -7,6 +7,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Collection
 
 from . import constants as C
 from .errors import ArtifactError
@@ -82,13 +83,20 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def verify_files(
-    root: str | os.PathLike, manifest: Manifest, *, hashes: bool = True, known: dict[str, list[int]] | None = None
+    root: str | os.PathLike,
+    manifest: Manifest,
+    *,
+    hashes: bool = True,
+    known: dict[str, list[int]] | None = None,
+    hashed_on_read: Collection[str] = (),
 ) -> dict[str, list[int]]:
     """Check that every listed file exists as a regular file with the listed size (and sha256).
 
     ``known`` maps a file to the identity (size, mtime_ns, ctime_ns, inode) it had when it was last
     hashed; a file that still has it is not hashed again (a write changes ctime, which no one can
-    set back). Returns every file's identity now, for the caller to remember.
+    set back). ``hashed_on_read`` names files the caller hashes as it reads them (``read_private``):
+    their sizes are checked here, their hashes there. Returns every file's identity now, for the
+    caller to remember.
     """
     root = Path(root)
     identities = {}
@@ -105,7 +113,7 @@ def verify_files(
         if st.st_size != entry.size:
             raise ArtifactError(f"{root}: {rel} is {st.st_size} bytes, the manifest says {entry.size}")
         identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        unchanged = known is not None and known.get(rel) == identity
+        unchanged = (known is not None and known.get(rel) == identity) or rel in hashed_on_read
         if hashes and not unchanged:
             try:
                 digest = sha256_file(path)

@@ -16,14 +16,21 @@ The lock only saves work; a rename that finds the entry already there keeps the 
 Every load checks an entry's sizes, and hashes any file whose identity (size, mtime, ctime, inode)
 differs from the ``.verified`` record, so repeat loads do not re-read large weights while a changed
 file (any write moves its ctime) is caught. An entry that fails is discarded and unpacked again from
-the pack. The cache is as trustworthy as the account that owns it: someone who can write there can
-also forge the records; ``precompile verify`` re-hashes everything.
+the pack.
+
+Skipping the hash trusts the record, so the cache must hold nothing another user could have written:
+the root, its folders, each entry, every file in it and each record must be owned by this user (or
+root) and not writable by group or others, as ssh treats ``~/.ssh``; anything else is refused
+(``InsecurePathError``, saying which ``chmod``/``chown`` fixes it). Folders are created 0755 whatever
+the umask. Entries are also what ``load()`` maps (``loader.weights``): read-only files of this user,
+which no operator's in-place rewrite reaches. ``precompile verify`` re-hashes everything.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +38,7 @@ from pathlib import Path
 from . import constants as C
 from .artifact import read_manifest, verify_files
 from .errors import ArtifactError, LoaderError
-from .fs import fsync_dir, locked, make_read_only, remove_tree, seal, write_atomic
+from .fs import check_private, fsync_dir, locked, make_read_only, remove_tree, seal, write_atomic
 from .manifest import SHA256_RE, Manifest
 from .pack import PackHead, unpack
 
@@ -70,7 +77,7 @@ class Cache:
         ``verify=False`` checks sizes only on an existing entry (an install always hashes).
         """
         entry = self.entry_path(head.digest)
-        if entry.is_dir():
+        if os.path.lexists(entry) and self._check_folders():
             try:
                 self._check(entry, head, verify)
                 return entry, False
@@ -78,7 +85,7 @@ class Cache:
                 pass  # discarded and unpacked again below, under the lock
         self._prepare()
         with locked(self.locks_dir / f"{head.digest}.lock"):
-            if entry.is_dir():
+            if os.path.lexists(entry):
                 try:
                     self._check(entry, head, verify)
                     return entry, False
@@ -130,8 +137,9 @@ class Cache:
 
     def _prepare(self) -> None:
         try:
-            for folder in (self.entries_dir, self.locks_dir, self.tmp_dir):
-                folder.mkdir(parents=True, exist_ok=True)
+            for folder in (self.root, self.entries_dir, self.locks_dir, self.tmp_dir):
+                folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+            self._check_folders()
             tag = self.root / C.CACHEDIR_TAG
             if not tag.exists():
                 write_atomic(tag, C.CACHEDIR_TAG_TEXT.encode())
@@ -140,8 +148,32 @@ class Cache:
                 f"{self.root}: cannot use as the precompile cache ({e.strerror}); set {C.CACHE_ENV} to a writable folder"
             ) from None
 
+    def _check_folders(self) -> bool:
+        """Refuse a root or folder of the cache that others own or can write; False if one is missing."""
+        fix = f"set {C.CACHE_ENV} to a folder of your own"
+        try:
+            check_private(self.root, "the precompile cache", fix, follow=True)
+            for folder in (self.entries_dir, self.locks_dir, self.tmp_dir):
+                check_private(folder, "a folder of the precompile cache", fix)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _check_owned(self, entry: Path, record: Path) -> None:
+        """Refuse an entry, or a record, that another user could have written (see the module doc)."""
+        fix = f"delete it (`precompile cache clear`) or set {C.CACHE_ENV} to a folder of your own"
+        check_private(entry, "a precompile cache entry", fix)
+        if not stat.S_ISDIR(os.lstat(entry).st_mode):
+            raise ArtifactError(f"{entry}: a cache entry that is not a folder")
+        for folder, dirs, files in os.walk(entry):
+            for name in dirs + files:
+                check_private(Path(folder, name), "a file of a precompile cache entry", fix)
+        if os.path.lexists(record):
+            check_private(record, "a precompile cache record", fix)
+
     def _check(self, entry: Path, head: PackHead, verify: bool) -> None:
         record = self._verified_path(head.digest)
+        self._check_owned(entry, record)
         known = _read_record(record, head.digest) if verify else None
         identities = verify_files(entry, head.manifest, hashes=verify, known=known)
         if verify and identities != known:

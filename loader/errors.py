@@ -27,3 +27,8 @@ class GuardError(LoaderError, ValueError):
 
     def __reduce__(self):
         return (GuardError, (str(self), self.reason))
+
+
+class InsecurePathError(LoaderError):
+    """A cache or state folder, or a file in one, that another user owns or that group or others can
+    write: what it holds could have been planted, so it is refused (the message says how to fix it)."""

@@ -1,5 +1,5 @@
 """File-system steps the cache and the version records share: atomic writes, locks, durable renames,
-removing read-only trees."""
+removing read-only trees, and refusing folders and files another user could have written."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from .errors import InsecurePathError
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -38,21 +40,78 @@ def locked(path: Path, *, blocking: bool = True) -> Iterator[bool]:
     fcntl (not POSIX) nothing is locked: callers must stay correct without the lock, which only saves
     duplicate work.
     """
-    try:
-        import fcntl
-    except ImportError:
-        yield True
+    lock = FileLock(path)
+    if not lock.acquire(blocking=blocking):
+        yield False
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        yield True
+    finally:
+        lock.release()
+
+
+class FileLock:
+    """An exclusive ``flock`` on ``path`` held from ``acquire()`` to ``release()``, for a hold that
+    spans more than one block of code (``loader.trust.LedgerHold``). Threads conflict too: each
+    acquire opens the file anew, and flock locks belong to the open file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self, *, blocking: bool = True) -> bool:
+        try:
+            import fcntl
+        except ImportError:
+            return True
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # releases the lock
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+    __del__ = release  # a hold its owner forgot must not outlive it
+
+
+def check_private(path: Path, what: str, fix: str, *, follow: bool = False) -> os.stat_result:
+    """Refuse ``path`` unless this user (or root) owns it and neither group nor others can write it,
+    as ssh treats ``~/.ssh``: whoever can write there can change what a later load trusts.
+
+    ``follow`` follows a symbolic link (for a root folder the user may have linked elsewhere); inside
+    the folder a link is refused like any other file someone else could have made. ``fix`` is the
+    way out offered besides chmod/chown (e.g. "set PRECOMPILE_CACHE to a folder of your own").
+    """
+    st = os.stat(path) if follow else os.lstat(path)
+    uid = current_uid()
+    if st.st_uid not in (uid, 0):
+        raise InsecurePathError(
+            f"{path}: {what} is owned by uid {st.st_uid}, not by this user (uid {uid}); run `chown -R {uid} {path}` "
+            f"as its owner or root, or {fix}"
+        )
+    if stat.S_ISLNK(st.st_mode):
+        raise InsecurePathError(f"{path}: {what} is a symbolic link; remove it, or {fix}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise InsecurePathError(
+            f"{path}: {what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); run "
+            f"`chmod go-w {path}`, or {fix}"
+        )
+    return st
+
+
+def current_uid() -> int:
+    """The user whose files are trusted (one function, so tests can pretend to be someone else)."""
+    return os.geteuid()
 
 
 def fsync_dir(path: Path) -> None:

@@ -5,22 +5,33 @@ Order, cheapest refusal first, nothing unpacked or hashed for an artifact that w
 manifest (parsed strictly) → signature → expiry, minimum version, rollback → host compatibility →
 files (a folder: sizes and sha256; a pack: unpacked into the cache once, then sizes and remembered
 hashes).
+
+What the model will serve is fixed here too (``loader.weights``): a folder's weights are read into
+private memory and hashed as they are read, so an operator who overwrites, truncates or rsyncs the
+folder while it is served changes nothing the running model reads; a cache entry's weights are
+mapped, since only this user can write there and the entry is read-only. (The compiled code is safe
+either way: AOTInductor copies each package's library into a private temporary folder when it opens
+it.) With ``refuse_rollback`` the returned ``Opened`` holds the version ledger's lock until
+``loaded()`` or ``close()``: use it as a context manager.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from . import constants as C
 from .artifact import manifest_digest, read_manifest_with_bytes, read_signature, verify_files
 from .cache import Cache
 from .errors import LoaderError
 from .host import check_compatible
 from .manifest import Manifest
 from .pack import read_head
-from .trust import KeySource, VersionLedger, check_expiry, check_min_version, check_signature, public_keys
+from .trust import KeySource, LedgerHold, VersionLedger, check_expiry, check_min_version, check_signature, public_keys
+from .weights import MappedWeights, map_file, read_private
 
 
 @dataclass
@@ -32,12 +43,31 @@ class Opened:
     packed: bool = False
     unpacked: bool = False  # this call unpacked the pack into the cache
     signed_by: str | None = None  # key id, when trusted_keys were checked
-    _ledger: VersionLedger | None = field(default=None, repr=False)
+    _weights: mmap.mmap | None = field(default=None, repr=False)  # a folder's weights, read and hashed
+    _hold: LedgerHold | None = field(default=None, repr=False)
+
+    def weights(self) -> MappedWeights:
+        """The weights to serve: the private copy read while verifying a folder, or a map of the
+        cache entry's read-only file."""
+        path = str(self.root / C.WEIGHTS_FILE)
+        return MappedWeights(path, buffer=self._weights if self._weights is not None else map_file(path))
 
     def loaded(self) -> None:
-        """Call once the model is loaded: remembers its version when refuse_rollback asked for it."""
-        if self._ledger is not None:
-            self._ledger.record(self.manifest, self.digest)
+        """Call once the model is loaded: records its version when refuse_rollback asked for it
+        (UntrustedArtifactError if that conflicts with the ledger) and releases the ledger's lock."""
+        if self._hold is not None:
+            self._hold.record()
+
+    def close(self) -> None:
+        """Release the ledger's lock without recording (the load failed); harmless after loaded()."""
+        if self._hold is not None:
+            self._hold.release()
+
+    def __enter__(self) -> Opened:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def open_artifact(
@@ -70,13 +100,19 @@ def open_artifact(
     check_expiry(manifest, source)
     if min_version is not None:
         check_min_version(manifest, min_version, source)
-    ledger = VersionLedger(state_dir) if refuse_rollback else None
-    if ledger is not None:
-        ledger.check(manifest, digest, source)
-    check_compatible(manifest, device)
-    if head is not None:
-        root, unpacked = Cache(cache_dir).open(head, verify=verify)
-    else:
-        verify_files(path, manifest, hashes=verify)
-        root, unpacked = path, False
-    return Opened(root, manifest, device, digest, head is not None, unpacked, signed_by, ledger)
+    hold = VersionLedger(state_dir).hold(manifest, digest, source) if refuse_rollback else None
+    try:
+        check_compatible(manifest, device)
+        weights = None
+        if head is not None:
+            root, unpacked = Cache(cache_dir).open(head, verify=verify)
+        else:
+            verify_files(path, manifest, hashes=verify, hashed_on_read={C.WEIGHTS_FILE})
+            entry = manifest.files[C.WEIGHTS_FILE]
+            weights = read_private(str(path / C.WEIGHTS_FILE), size=entry.size, sha256=entry.sha256 if verify else None)
+            root, unpacked = path, False
+    except BaseException:
+        if hold is not None:
+            hold.release()
+        raise
+    return Opened(root, manifest, device, digest, head is not None, unpacked, signed_by, weights, hold)

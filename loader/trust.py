@@ -19,8 +19,12 @@ also remembers, per artifact name, the highest version it loaded and its manifes
 ``${PRECOMPILE_STATE:-${XDG_STATE_HOME:-~/.local/state}/precompile}/versions/<name>.json``, and refuses
 an older version, or another artifact under a version already seen (every release must bump
 ``--artifact-version``). Only loads that asked for the check record a version, and only once the model
-is loaded, so an unchecked or failed load cannot lock a name at a bogus version. The state is not in the
-cache: emptying the cache must not reset it. Remove the file to accept an older version deliberately.
+is loaded, so an unchecked or failed load cannot lock a name at a bogus version. Check and record are
+one step: a load holds ``versions/<name>.lock`` from the check until its version is recorded or the
+load fails (``LedgerHold``), so of two concurrent loads of v5 and v3, or of two different builds of
+v5, the second is checked against what the first recorded and refused. The state is not in the
+cache: emptying the cache must not reset it. Like the cache, it must be this user's alone (see
+``loader.fs.check_private``). Remove the file to accept an older version deliberately.
 
 ``cryptography`` is imported only when a signature is made or checked.
 """
@@ -41,7 +45,7 @@ from typing import Any, Iterable, Union
 from . import constants as C
 from .artifact import canonical_manifest, manifest_digest
 from .errors import ArtifactError, LoaderError
-from .fs import locked, write_atomic
+from .fs import FileLock, check_private, write_atomic
 from .manifest import Manifest
 
 SIGNING_CONTEXT = b"precompile-artifact-signature-v1\n"
@@ -245,22 +249,29 @@ class VersionLedger:
         stem = name if len(name) <= 200 else hashlib.sha256(name.encode()).hexdigest()
         return self.root / C.VERSIONS_DIR / f"{stem}.json"
 
-    def seen(self, name: str) -> tuple[int, str] | None:
-        """(version, manifest digest) last recorded for ``name``, or None."""
-        path = self.path(name)
+    def hold(self, manifest: Manifest, digest: str, source: str) -> LedgerHold:
+        """Lock ``manifest.name``'s record and check this load against it; the caller records or
+        releases the hold once the load succeeded or failed. UntrustedArtifactError on a rollback."""
+        path = self.path(manifest.name)
         try:
-            data = json.loads(path.read_bytes())
-            version, digest = data["version"], data["digest"]
-            if data["name"] != name or type(version) is not int or not HEX64.match(digest):
-                raise ValueError("unexpected content")
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            # Failing closed: a damaged record must not silently turn the protection off.
-            raise LoaderError(f"{path}: unreadable version record ({e}); delete it to reset the rollback check for {name!r}") from None
-        return version, digest
+            for folder in (self.root, path.parent):  # 0755 whatever the umask: check_private refuses more
+                folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+            fix = f"set {C.STATE_ENV} to a folder of your own"
+            check_private(self.root, "the precompile state folder", fix, follow=True)
+            check_private(path.parent, "the folder of version records", fix)
+            lock = FileLock(path.with_suffix(".lock"))
+            lock.acquire()
+        except OSError as e:
+            raise LoaderError(f"{path}: cannot use the version records ({e.strerror}); set {C.STATE_ENV} to a writable folder") from None
+        try:
+            self.check(manifest, digest, source)
+        except BaseException:
+            lock.release()
+            raise
+        return LedgerHold(self, manifest, digest, source, lock)
 
     def check(self, manifest: Manifest, digest: str, source: str) -> None:
+        """UntrustedArtifactError if loading this would be a rollback (see ``hold`` for the locked form)."""
         seen = self.seen(manifest.name)
         if seen is None:
             return
@@ -278,25 +289,69 @@ class VersionLedger:
                 "--artifact-version"
             )
 
-    def record(self, manifest: Manifest, digest: str) -> None:
-        path = self.path(manifest.name)
+    def seen(self, name: str) -> tuple[int, str] | None:
+        """(version, manifest digest) last recorded for ``name``, or None."""
+        path = self.path(name)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with locked(path.with_suffix(".lock")):
-                seen = self.seen(manifest.name)
-                if seen is not None and seen[0] >= manifest.version:
-                    return
-                text = json.dumps(
-                    {
-                        "name": manifest.name,
-                        "version": manifest.version,
-                        "digest": digest,
-                        "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    }
-                )
-                write_atomic(path, text.encode())
+            check_private(path, "a version record", f"delete it and set {C.STATE_ENV} to a folder of your own")
+            data = json.loads(path.read_bytes())
+            version, digest = data["version"], data["digest"]
+            if data["name"] != name or type(version) is not int or not HEX64.match(digest):
+                raise ValueError("unexpected content")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            # Failing closed: a damaged record must not silently turn the protection off.
+            raise LoaderError(f"{path}: unreadable version record ({e}); delete it to reset the rollback check for {name!r}") from None
+        return version, digest
+
+    def _write(self, manifest: Manifest, digest: str) -> None:
+        path = self.path(manifest.name)
+        text = json.dumps(
+            {
+                "name": manifest.name,
+                "version": manifest.version,
+                "digest": digest,
+                "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+        )
+        try:
+            write_atomic(path, text.encode())
         except OSError as e:
             raise LoaderError(
                 f"{path}: cannot record version {manifest.version} of {manifest.name!r} ({e.strerror}); set "
                 f"{C.STATE_ENV} to a writable folder"
             ) from None
+
+
+class LedgerHold:
+    """One load's place in the ledger: the name's lock, held from the check until ``record()`` or
+    ``release()``. Also a context manager that releases it."""
+
+    def __init__(self, ledger: VersionLedger, manifest: Manifest, digest: str, source: str, lock: FileLock):
+        self.ledger, self.manifest, self.digest, self.source = ledger, manifest, digest, source
+        self._lock: FileLock | None = lock
+
+    def record(self) -> None:
+        """Remember this version (the load succeeded), then release the lock. Checked again first:
+        a record written meanwhile by something that did not take the lock is a conflict, not a
+        silent no-op."""
+        if self._lock is None:
+            raise LoaderError(f"{self.source}: the version check was already released; check again before recording")
+        try:
+            self.ledger.check(self.manifest, self.digest, self.source)
+            if self.ledger.seen(self.manifest.name) != (self.manifest.version, self.digest):
+                self.ledger._write(self.manifest, self.digest)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def __enter__(self) -> LedgerHold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

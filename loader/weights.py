@@ -1,16 +1,27 @@
-"""Memory-mapped safetensors reading, with a strictly validated header.
+"""Safetensors reading, with a strictly validated header, from a buffer no one else can change.
 
-The file is mapped copy-on-write (``MAP_PRIVATE``): tensors are views of the page cache, so several
-serving processes share one copy of the weights and loading costs no reads up front. The safetensors
-package is not used for reading because its tensors are copies; the format is simple enough to
-validate here field by field (https://github.com/huggingface/safetensors#format).
+Where the bytes live decides what a change to the file can do to a serving process. A mapped file that
+is truncated while mapped kills the process with SIGBUS at the next call, and one rewritten in place
+changes the weights under it (``MAP_PRIVATE`` only isolates pages already written to). So:
+
+- ``read_private`` copies a file into anonymous memory, hashing it as it goes: what is served is
+  what was hashed, and nothing done to the file afterwards reaches it. Used for artifact folders,
+  which operators may overwrite while they are served.
+- ``map_file`` maps a file, so processes share one copy in the page cache and loading reads nothing
+  up front. Used only for cache entries: read-only files owned by this user, which nothing rewrites
+  in place (``loader.cache`` refuses a cache others can write).
+
+The safetensors package is not used for reading because its tensors are copies; the format is simple
+enough to validate here field by field (https://github.com/huggingface/safetensors#format).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import warnings
 
@@ -34,22 +45,74 @@ SAFETENSORS_DTYPES = {
 
 
 class MappedWeights:
-    """The tensors of one safetensors file, as views of a private memory map."""
+    """The tensors of one safetensors file, as views of ``buffer`` (default: ``read_private(path)``),
+    which lives as long as this object."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, buffer: mmap.mmap | None = None):
         self.path = path
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < 8:
-                    raise ArtifactError(f"{path}: {size} bytes is too short for a safetensors file")
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except OSError as e:
-            raise ArtifactError(f"{path}: cannot map weights ({e.strerror})") from None
-        self.tensors = _parse(self._mmap, size, path)
+        self._mmap = buffer if buffer is not None else read_private(path)
+        self.tensors = _parse(self._mmap, len(self._mmap), path)
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+
+def map_file(path: str) -> mmap.mmap:
+    """A copy-on-write map of ``path``: only for files nothing rewrites in place (see the module doc)."""
+    try:
+        with open(path, "rb") as f:
+            size = _check_size(path, os.fstat(f.fileno()))
+            return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot map weights ({e.strerror})") from None
+
+
+def read_private(path: str, *, size: int | None = None, sha256: str | None = None) -> mmap.mmap:
+    """``path``'s bytes in anonymous memory, checked against ``size`` and ``sha256`` when given.
+
+    The hash is of the bytes copied, so a file changed during or after the read cannot be served
+    unhashed. One pass over the file: about what hashing it alone costs (``verify_files``).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot read weights ({e.strerror})") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactError(f"{path}: not a regular file")
+        if size is not None and st.st_size != size:
+            raise ArtifactError(f"{path}: is {st.st_size} bytes, the manifest says {size}")
+        total = _check_size(path, st)
+        buf = mmap.mmap(-1, total)
+        view = memoryview(buf)
+        digest = hashlib.sha256() if sha256 is not None else None
+        done = 0
+        try:
+            while done < total:
+                n = f.readinto(view[done : done + READ_CHUNK])
+                if not n:
+                    raise ArtifactError(f"{path}: shrank while it was being read; load it again")
+                if digest is not None:
+                    digest.update(view[done : done + n])
+                done += n
+        except OSError as e:
+            raise ArtifactError(f"{path}: cannot read weights ({e.strerror})") from None
+        finally:
+            view.release()
+    if digest is not None and digest.hexdigest() != sha256:
+        raise ArtifactError(f"{path} does not match its sha256 in the manifest (changed or corrupt)")
+    return buf
+
+
+# Read and hash in blocks that stay in the CPU cache between the copy and the hash.
+READ_CHUNK = 1 << 20
+
+
+def _check_size(path: str, st: os.stat_result) -> int:
+    if st.st_size < 8:
+        raise ArtifactError(f"{path}: {st.st_size} bytes is too short for a safetensors file")
+    return st.st_size
 
 
 def _parse(buf: mmap.mmap, size: int, path: str) -> dict[str, torch.Tensor]:
