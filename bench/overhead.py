@@ -1,23 +1,30 @@
 """Loader overhead: the Python path (guards + dispatch + stats + output structure) per call, against
-the raw AOTInductor runner on the same inputs.
+the raw AOTInductor runner on the same inputs, and what the value guard (one min/max pass per
+integer input with a range) costs of it.
 
-    python -m bench.overhead [ARTIFACT]      (default: builds profiles/examples/text_classifier.yaml)
+    python -m bench.overhead [ARTIFACT] [--batch 8 --seq 512]
+        (default: builds profiles/examples/text_classifier.yaml)
 
-Prints microseconds per call for both and their difference. Rounds alternate between the two so
-that a noisy neighbour slows both alike; the median of the per-round medians is reported.
+Prints microseconds per call for both and their difference, then the guards alone with and without
+value ranges. Rounds alternate between the two so that a noisy neighbour slows both alike; the
+median of the per-round medians is reported. The loader's budget is 15 µs at batch 8 × seq 512.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 import loader
+from loader.guards import InputGuard
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,9 +51,51 @@ def measure(model: loader.CompiledModel, args: tuple, rounds: int = 15, calls: i
     return {"variant": variant.id, "raw_us": raw_us, "loader_us": full_us, "overhead_us": full_us - raw_us}
 
 
+class _Replay:
+    """Stands in for a runner: returns the outputs the real one computed once."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def run(self, tensors):
+        return self.outputs
+
+
+def measure_python_path(model: loader.CompiledModel, args: tuple, rounds: int = 15, calls: int = 2000) -> float:
+    """µs per call of the loader's whole Python path with the compiled code taken out (every runner
+    replays outputs computed once): where a call takes milliseconds, its noise hides microseconds."""
+    outputs = model._runners[model.select(*args).id].run(list(args))
+    stub = copy.copy(model)
+    stub._runners = {vid: _Replay(outputs) for vid in model._runners}
+    stub._index_tables()
+    stub._stats_lock = threading.Lock()
+    stub.reset_stats()
+    for _ in range(200):
+        stub(*args)
+    return statistics.median(per_call_us(lambda: stub(*args), calls) for _ in range(rounds))
+
+
+def measure_value_guard(model: loader.CompiledModel, args: tuple, rounds: int = 15, calls: int = 2000) -> dict[str, float]:
+    """The guards alone, as loaded and with every value range removed: the difference is the value guard."""
+    m = model.manifest
+    bare = InputGuard([dataclasses.replace(spec, range=None) for spec in m.inputs], m.dims, torch.device(model.device))
+    guard = model._guard  # the loaded model's own guard
+    ranged = [spec.name for spec in m.inputs if spec.range is not None]
+    with_values, without = [], []
+    for _ in range(rounds):
+        with_values.append(per_call_us(lambda: guard.check(args, {}), calls))
+        without.append(per_call_us(lambda: bare.check(args, {}), calls))
+    a, b = statistics.median(with_values), statistics.median(without)
+    return {"guards_us": a, "guards_without_values_us": b, "value_guard_us": a - b, "ranged_inputs": ranged}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", nargs="?", help="a built 2-input artifact (ids, mask)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=0, help="calls per round (default: about 0.3 s a round)")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     path = opts.artifact
@@ -55,13 +104,20 @@ def main() -> None:
 
         path = build(ROOT / "profiles/examples/text_classifier.yaml", Path(tempfile.mkdtemp()) / "tc").path
     model = loader.load(path)
-    ids = torch.randint(0, 10, (1, 8))
-    mask = torch.ones(1, 8, dtype=torch.bool)
-    r = measure(model, (ids, mask))
-    print(f"artifact {path}, variant {r['variant']}, input [1, 8]")
+    ids = torch.randint(0, 10, (opts.batch, opts.seq))
+    mask = torch.ones(opts.batch, opts.seq, dtype=torch.bool)
+    args = (ids, mask)
+    calls = opts.calls or max(20, min(2000, int(0.3 / max(per_call_us(lambda: model(*args), 5) * 1e-6, 1e-7))))
+    r = measure(model, args, opts.rounds, calls)
+    v = measure_value_guard(model, args, opts.rounds, 2000)
+    path_us = measure_python_path(model, args, opts.rounds, 2000)
+    print(f"artifact {path}, variant {r['variant']}, input [{opts.batch}, {opts.seq}], {calls} calls × {opts.rounds} rounds")
     print(f"raw runner      {r['raw_us']:8.1f} µs/call")
     print(f"loader.load()() {r['loader_us']:8.1f} µs/call")
     print(f"overhead        {r['overhead_us']:8.1f} µs/call (guards + dispatch + stats + outputs)")
+    print(f"python path     {path_us:8.1f} µs/call (the same, the compiled code replaced by a replay: budget 15 µs)")
+    print(f"guards alone    {v['guards_us']:8.1f} µs/call ({v['guards_without_values_us']:.1f} without value ranges)")
+    print(f"value guard     {v['value_guard_us']:8.1f} µs/call (min/max of {', '.join(v['ranged_inputs']) or 'no input'})")
 
 
 if __name__ == "__main__":

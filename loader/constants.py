@@ -37,6 +37,9 @@ DTYPES = (
     "bool",
 )
 
+# Inputs of these dtypes may carry a value range in the manifest (checked on every call).
+INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
+
 DEVICES = ("cpu", "cuda")
 
 VARIANT_KINDS = ("static", "dynamic")

@@ -17,8 +17,9 @@ class GuardError(LoaderError, ValueError):
     """A call's inputs do not fit what the compiled code was built for.
 
     ``reason`` names the kind of problem in one word, for metrics and callers that branch on it:
-    missing_input, too_many_inputs, unknown_input, duplicate_input, not_a_tensor, dtype, device, rank,
-    static_size, out_of_range, dim_mismatch, not_contiguous, no_variant, policy.
+    missing_input, too_many_inputs, unknown_input, duplicate_input, not_a_tensor, tensor_subclass,
+    nested, layout, meta, quantized, neg_view, conj_view, dtype, device, rank, static_size, out_of_range,
+    dim_mismatch, not_contiguous, no_storage, value_range, no_variant, policy.
     """
 
     def __init__(self, message: str, reason: str = "other"):

@@ -45,6 +45,16 @@ class InputSpec:
     name: str
     dtype: str
     shape: Shape  # a dim name (dynamic or ranged) or an int (static size)
+    # Integer inputs: the values the compiled code accepts (an embedding's rows), checked on every
+    # call; None: values unguarded. Not part of the call signature (compare=False): a new version
+    # may widen or narrow it, as it may its dim ranges.
+    range: DimRange | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.range is not None:
+            out["range"] = [self.range.min, self.range.max]
+        return out
 
 
 @dataclass(frozen=True)
@@ -176,7 +186,7 @@ class Manifest:
                 "platform": self.target.platform,
                 "machine": self.target.machine,
             },
-            "inputs": [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape)} for i in self.inputs],
+            "inputs": [i.to_dict() for i in self.inputs],
             "dims": {k: {"min": r.min, "max": r.max} for k, r in self.dims.items()},
             "output": self.output.to_dict(),
             "variants": [v.to_dict() for v in self.variants],
@@ -248,11 +258,12 @@ class _Reader:
             raise self.fail(where, f"list has {len(value)} items, more than {max_len}")
         return value
 
-    def dim_range(self, value: Any, where: str) -> DimRange:
+    def dim_range(self, value: Any, where: str, lo: int = 0) -> DimRange:
+        """``[min, max]``; ``lo`` is the smallest value allowed (negative for value ranges)."""
         pair = self.list(value, where, max_len=2)
         if len(pair) != 2:
             raise self.fail(where, "expected [min, max]")
-        lo, hi = self.int(pair[0], f"{where}[0]"), self.int(pair[1], f"{where}[1]")
+        lo, hi = self.int(pair[0], f"{where}[0]", lo), self.int(pair[1], f"{where}[1]", lo)
         if lo > hi:
             raise self.fail(where, f"min {lo} > max {hi}")
         return DimRange(lo, hi)
@@ -305,27 +316,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         d = r.obj(value, f"dims.{name}", {"min", "max"})
         dims[name] = r.dim_range([d["min"], d["max"]], f"dims.{name}")
 
-    inputs = []
-    for i, item in enumerate(r.list(raw["inputs"], "inputs", max_len=1024)):
-        where = f"inputs[{i}]"
-        d = r.obj(item, where, {"name", "dtype", "shape"})
-        shape = []
-        for j, s in enumerate(r.list(d["shape"], f"{where}.shape", max_len=64)):
-            if isinstance(s, str):
-                if s not in dims:
-                    raise r.fail(f"{where}.shape[{j}]", f"unknown dim {s!r}")
-                shape.append(s)
-            else:
-                shape.append(r.int(s, f"{where}.shape[{j}]"))
-        inputs.append(
-            InputSpec(
-                name=r.str(d["name"], f"{where}.name", IDENT_RE),
-                dtype=r.str(d["dtype"], f"{where}.dtype", choices=C.DTYPES),
-                shape=tuple(shape),
-            )
-        )
-    if len({i.name for i in inputs}) != len(inputs):
-        raise r.fail("inputs", "input names are not unique")
+    inputs = _parse_inputs(r, raw["inputs"], dims)
 
     output = _parse_output(r, raw["output"], "output", depth=0)
 
@@ -436,6 +427,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
             raise r.fail(f"policy.{dim}", "split needs output_dims to give every output an axis that follows it")
         if what == "pad" and output_dims is None:
             raise r.fail(f"policy.{dim}", "pad needs output_dims")
+    _check_pad_values(r, inputs, policy, pad_value)
 
     cuda = None
     if raw.get("cuda") is not None:
@@ -457,7 +449,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         precompile_version=r.str(raw["precompile_version"], "precompile_version"),
         created=r.str(raw["created"], "created"),
         target=target,
-        inputs=tuple(inputs),
+        inputs=inputs,
         dims=dims,
         output=output,
         variants=tuple(variants),
@@ -471,6 +463,44 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         output_dims=output_dims,
         cuda=cuda,
     )
+
+
+def _parse_inputs(r: _Reader, value: Any, dims: dict[str, DimRange]) -> tuple[InputSpec, ...]:
+    inputs = []
+    for i, item in enumerate(r.list(value, "inputs", max_len=1024)):
+        where = f"inputs[{i}]"
+        d = r.obj(item, where, {"name", "dtype", "shape", "range"}, optional={"range"})
+        name = r.str(d["name"], f"{where}.name", IDENT_RE)
+        shape = []
+        for j, s in enumerate(r.list(d["shape"], f"{where}.shape", max_len=64)):
+            if isinstance(s, str):
+                if s not in dims:
+                    raise r.fail(f"{where}.shape[{j}]", f"unknown dim {s!r}")
+                shape.append(s)
+            else:
+                shape.append(r.int(s, f"{where}.shape[{j}]"))
+        dtype = r.str(d["dtype"], f"{where}.dtype", choices=C.DTYPES)
+        values = None
+        if d.get("range") is not None:
+            if dtype not in C.INTEGER_DTYPES:
+                raise r.fail(f"{where}.range", f"a value range is for integer inputs, this one is {dtype}")
+            values = r.dim_range(d["range"], f"{where}.range", lo=-MAX_INT)
+        inputs.append(InputSpec(name, dtype, tuple(shape), values))
+    if len({i.name for i in inputs}) != len(inputs):
+        raise r.fail("inputs", "input names are not unique")
+    return tuple(inputs)
+
+
+def _check_pad_values(r: _Reader, inputs: tuple[InputSpec, ...], policy: dict[str, str], pad_value: dict[str, float]) -> None:
+    """A pad policy fills an input with its pad value: for a ranged input it must lie in the range,
+    or padding would feed the compiled code an index the guard refuses from callers."""
+    padded = {d for d, p in policy.items() if p == "pad"}
+    for spec in inputs:
+        if spec.range is None or not padded.intersection(s for s in spec.shape if isinstance(s, str)):
+            continue
+        value = pad_value.get(spec.name, 0.0)
+        if value not in spec.range:
+            raise r.fail(f"pad_value.{spec.name}", f"{value:g} is outside the input's value range {spec.range}")
 
 
 def expires_problem(text: str) -> str | None:

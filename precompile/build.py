@@ -28,18 +28,26 @@ import loader
 from loader import constants as C
 from loader.host import cpu_capability
 from loader.guards import TORCH_DTYPES
-from loader.manifest import CudaInfo, DimRange, InputSpec, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
+from loader.manifest import CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
 
 from . import __version__
 from .check import CheckReport, compare, flatten, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
-from .errors import CompileError, PrecompileError, ProfileError
+from .errors import CompileError, ModelError, PrecompileError, ProfileError
 from .export import export_hints, export_model
 from .plan import Plan, VariantPlan, make_plan
 from .profile import LoadedProfile, Profile, load_profile
 from .progress import Progress
 from .resolve import resolve_model
 from .samples import check_shapes, make_inputs, to_device
+from .values import (
+    IndexTable,
+    check_declared_ranges,
+    explain_eager_failure,
+    index_tables,
+    manifest_inputs,
+    with_value_ranges,
+)
 from .write import file_entries, publish, staging_folder, write_manifest, write_weights
 
 REFERENCES_FILE = "references.safetensors"
@@ -85,13 +93,21 @@ def build(
     with progress.stage("resolve", profile.model.factory):
         model = resolve_model(loaded)
         args = make_inputs(profile, plan.variants[-1].hint, seed=profile.check.seed)
-        eager_out = run_eager(model, args)
+        try:
+            eager_out = run_eager(model, args)
+        except ModelError:
+            explain_eager_failure(loaded, model, plan.variants[-1].hint)  # a range past a table, if that is why
+            raise
         out_spec = output_spec(eager_out)
         output_dims = _output_dims(loaded, flatten(eager_out), plan.variants[-1].hint)
     staging = staging_folder(target)
     try:
         (staging / C.VARIANTS_DIR).mkdir()
-        packages, seconds = compile_variants(loaded, model, variants, staging, jobs=jobs, progress=progress)
+        packages, seconds, tables = compile_variants(loaded, model, variants, staging, jobs=jobs, progress=progress)
+        loaded, notes = with_value_ranges(loaded, tables)
+        profile = loaded.profile
+        for level, text in notes:
+            progress.note(f"[yellow]warning[/]: {text}" if level == "warning" else text)
         with progress.stage("write", str(target)):
             manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda)
         with progress.stage("check", "compiled vs eager, every variant"):
@@ -204,14 +220,15 @@ def compile_variants(
     *,
     jobs: int | None,
     progress: Progress,
-) -> tuple[list[tuple[VariantPlan, CompiledPackage]], dict[str, float]]:
-    """Export and compile every variant, ``jobs`` at a time, each in its own process.
+) -> tuple[list[tuple[VariantPlan, CompiledPackage]], dict[str, float], dict[str, IndexTable]]:
+    """Export and compile every variant, ``jobs`` at a time, each in its own process; also return the
+    tables integer inputs index (from the exported graphs: precompile.values).
 
     One failing variant fails the build with its error; the other results are discarded.
     """
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(variants)))
     options = dict(loaded.profile.compile.inductor)
-    results: dict[str, tuple[VariantPlan, CompiledPackage, float]] = {}
+    results: dict[str, tuple[VariantPlan, CompiledPackage, float, dict[str, IndexTable]]] = {}
     if jobs == 1:
         for vp in variants:
             with progress.stage("variant", f"{vp.id} {vp.describe()}"):
@@ -234,12 +251,17 @@ def compile_variants(
                     results[vp.id] = future.result()
                     progress.done("variant", f"{vp.id} {vp.describe()}", results[vp.id][2])
     packages = [(results[vp.id][0], results[vp.id][1]) for vp in variants]
-    return packages, {vp.id: results[vp.id][2] for vp in variants}
+    tables: dict[str, IndexTable] = {}
+    for *_, found in results.values():
+        for name, table in found.items():
+            if name not in tables or table.rows < tables[name].rows:
+                tables[name] = table
+    return packages, {vp.id: results[vp.id][2] for vp in variants}, tables
 
 
 def _compile_one(
     loaded: LoadedProfile, model: torch.nn.Module, vp: VariantPlan, staging: Path, options: dict[str, Any]
-) -> tuple[VariantPlan, CompiledPackage, float]:
+) -> tuple[VariantPlan, CompiledPackage, float, dict[str, IndexTable]]:
     start = time.perf_counter()
     hint = export_hints(vp.ranges, vp.hint)
     if vp.device != "cpu":  # a copy, so the CPU model stays the reference for the checks
@@ -247,6 +269,8 @@ def _compile_one(
         model = copy.deepcopy(model).to(device=vp.device, dtype=cast)
     try:
         ep = export_model(model, loaded.profile, vp.ranges, hint, device=vp.device, dtype=vp.dtype)
+        tables = index_tables(ep, loaded.profile)
+        check_declared_ranges(loaded, tables)  # a range past a table is the profile's error: before compiling
         pkg = compile_package(
             ep,
             staging / C.VARIANTS_DIR / f"{vp.id}{C.VARIANT_SUFFIX}",
@@ -258,12 +282,12 @@ def _compile_one(
         if isinstance(e, ProfileError):
             raise
         raise type(e)(f"variant {vp.id} ({vp.describe()}): {e}") from None
-    return replace(vp, hint=hint), pkg, time.perf_counter() - start
+    return replace(vp, hint=hint), pkg, time.perf_counter() - start, tables
 
 
 def _compile_in_worker(
     profile_path: Path, vp: VariantPlan, staging: Path, options: dict[str, Any]
-) -> tuple[VariantPlan, CompiledPackage, float]:
+) -> tuple[VariantPlan, CompiledPackage, float, dict[str, IndexTable]]:
     loaded = load_profile(profile_path)
     return _compile_one(loaded, resolve_model(loaded), vp, staging, options)
 
@@ -338,7 +362,7 @@ def _assemble(
             platform=platform.system().lower(),
             machine=platform.machine(),
         ),
-        inputs=tuple(InputSpec(name, spec.dtype, tuple(spec.shape)) for name, spec in profile.inputs.items()),
+        inputs=manifest_inputs(profile),
         dims={d: DimRange(s.min, s.max) for d, s in profile.dims.items()},
         output=out_spec,
         variants=tuple(

@@ -65,7 +65,11 @@ class InputSpec(_Strict):
     dtype: Dtype = Field(description="torch dtype name")
     range: Optional[tuple[float, float]] = Field(
         default=None,
-        description="inclusive [low, high] of sample values (ints: integers drawn uniformly; floats: uniform)",
+        description=(
+            "inclusive [low, high] of sample values (ints: integers drawn uniformly; floats: uniform); for integer "
+            "inputs also the values the loader accepts at every call (default: [0, rows - 1] of the table the input "
+            "indexes, found by the build)"
+        ),
     )
 
 
@@ -257,8 +261,7 @@ def semantic_problems(profile: Profile) -> list[tuple[str, str]]:
                 used.add(s)
             elif s < 0:
                 problems.append((f"inputs.{name}.shape[{axis}]", f"static size {s} is negative"))
-        if spec.range is not None and spec.range[0] > spec.range[1]:
-            problems.append((f"inputs.{name}.range", f"low {spec.range[0]} > high {spec.range[1]}"))
+        problems += _value_range_problems(name, spec)
     for name, dim in profile.dims.items():
         if not name.isidentifier():
             problems.append((f"dims.{name}", "dim names must be identifiers"))
@@ -279,6 +282,29 @@ def semantic_problems(profile: Profile) -> list[tuple[str, str]]:
     return problems
 
 
+# Integer ranges are stored in the manifest, whose integers stay within what JSON carries exactly.
+_INT_LIMITS = {"int64": 2**53, "int32": 2**31 - 1, "int16": 2**15 - 1, "int8": 127, "uint8": 255}
+
+
+def _value_range_problems(name: str, spec: InputSpec) -> list[tuple[str, str]]:
+    """An integer input's range is the guard's range: whole numbers the dtype can hold."""
+    if spec.range is None:
+        return []
+    low, high = spec.range
+    place = f"inputs.{name}.range"
+    if low > high:
+        return [(place, f"low {low:g} > high {high:g}")]
+    limit = _INT_LIMITS.get(spec.dtype)
+    if limit is None:
+        return []
+    if low != int(low) or high != int(high):
+        return [(place, f"[{low:g}, {high:g}]: an {spec.dtype} input's range needs whole numbers")]
+    lowest = 0 if spec.dtype == "uint8" else -limit if spec.dtype == "int64" else -limit - 1
+    if low < lowest or high > limit:
+        return [(place, f"[{low:g}, {high:g}] goes past what {spec.dtype} values can be here ([{lowest}, {limit}])")]
+    return []
+
+
 def _plan_problems(profile: Profile) -> list[tuple[str, str]]:
     """pad/split must be undoable (``outputs`` says which output axes follow the dim); names must exist."""
     problems = []
@@ -296,6 +322,7 @@ def _plan_problems(profile: Profile) -> list[tuple[str, str]]:
     for name in profile.policy.pad_value:
         if name not in profile.inputs:
             problems.append((f"policy.pad_value.{name}", f"unknown input (inputs: {', '.join(profile.inputs)})"))
+    problems += pad_value_problems(profile)
     for d, points in profile.plan.ranges.items():
         if d not in profile.dims:
             problems.append((f"plan.ranges.{d}", f"unknown dim {d!r} (known: {known})"))
@@ -303,6 +330,22 @@ def _plan_problems(profile: Profile) -> list[tuple[str, str]]:
         for p in points:
             if not profile.dims[d].min <= p <= profile.dims[d].max:
                 problems.append((f"plan.ranges.{d}", f"split point {p} is outside [{profile.dims[d].min}, {profile.dims[d].max}]"))
+    return problems
+
+
+def pad_value_problems(profile: Profile) -> list[tuple[str, str]]:
+    """pad fills an integer input with its pad value (default 0), which must lie in the input's range:
+    the guard refuses out-of-range values from callers, so padding must not feed them in either."""
+    padded = {d for d, p in profile.policy.out_of_range.items() if p == "pad"}
+    problems = []
+    for name, spec in profile.inputs.items():
+        if spec.range is None or spec.dtype not in _INT_LIMITS or not padded.intersection(spec.shape):
+            continue
+        value = profile.policy.pad_value.get(name, 0.0)
+        if not spec.range[0] <= value <= spec.range[1]:
+            problems.append(
+                (f"policy.pad_value.{name}", f"{value:g} is outside inputs.{name}.range [{spec.range[0]:g}, {spec.range[1]:g}]")
+            )
     return problems
 
 

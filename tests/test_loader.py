@@ -40,7 +40,7 @@ def test_guard_error_is_a_value_error():
         (lambda m, i, k: m(i, k, ids=i), "input 'ids' given twice, by position and by name"),
         (lambda m, i, k: m(i.tolist(), k), "input 'ids': expected a torch.Tensor, got list"),
         (lambda m, i, k: m(i.int(), k), "input 'ids': dtype is int32, the artifact needs int64"),
-        (lambda m, i, k: m(i.to("meta"), k), "input 'ids': tensor is on meta, the model runs on cpu"),
+        (lambda m, i, k: m(i.to("meta"), k), "input 'ids': a meta tensor has no data to compute on"),
         (lambda m, i, k: m(i[0], k), "input 'ids': has 1 dimensions (10,), the artifact needs 2 (shape [batch, seq])"),
         (lambda m, i, k: m(i[:, :1], k[:, :1]), "input 'ids': dim 'seq' (axis 1) is 1, outside the built range [2, 48]"),
         (lambda m, i, k: m(torch.zeros(2, 49, dtype=torch.int64), k), "input 'ids': dim 'seq' (axis 1) is 49, outside the built range [2, 48]"),
@@ -48,7 +48,7 @@ def test_guard_error_is_a_value_error():
         (lambda m, i, k: m(i, k[:, :9]), "input 'mask': dim 'seq' (axis 1) is 9, but another input has seq=10; inputs sharing a dim must agree"),
         (lambda m, i, k: m(torch.zeros(10, 2, dtype=torch.int64).t(), k), "input 'ids': tensor is not contiguous"),
     ],
-    ids=["missing", "too-many", "unknown-kw", "twice", "not-tensor", "dtype", "device", "rank", "below-min",
+    ids=["missing", "too-many", "unknown-kw", "twice", "not-tensor", "dtype", "meta", "rank", "below-min",
          "above-max", "batch-above-max", "shared-dim", "non-contiguous"],
 )
 def test_every_guard_raises_guard_error(model, call, message):
