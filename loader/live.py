@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import constants as C
-from .artifact import manifest_digest
+from .artifact import read_manifest
 from .errors import LoaderError
+from .manifest import Manifest
 from .model import CompiledModel, load
+from .pack import read_head
 from .traffic import Histogram, add_histograms, histogram_of
 
 
@@ -70,7 +72,7 @@ class Serving:
 
     model: CompiledModel
     path: Path  # the artifact folder or pack, after following a pointer (link or file)
-    digest: str  # loader.artifact.manifest_digest: names the exact artifact, files included
+    digest: str  # of the manifest bytes as read, what a signature covers (names the files too)
     loaded_at: float  # time.time() when it was swapped in
     load_seconds: float  # loading plus warm-up
     in_flight: _InFlight = field(default_factory=lambda: _InFlight(), compare=False, repr=False)
@@ -127,20 +129,43 @@ def resolve_pointer(path: str | os.PathLike) -> Path:
     ``path`` is an artifact folder or pack, a symbolic link to one (``ln -s v4 current.new`` then
     ``mv -T current.new current``), or a small text file whose first line is the artifact's path,
     relative to the file's own folder (written beside and renamed over, so readers never see half a
-    file).
+    file). Errors never quote the file: a path naming some other file (a secret, a config) must not
+    leak its content through a status page.
     """
     path = Path(path)
     if path.is_file() and not _is_pack(path):
+        not_a_pointer = LoaderError(
+            f"{path}: not an artifact folder, a pack, or a pointer file naming an existing one "
+            "(a pointer file holds one line: the artifact's path, relative to the file)"
+        )
         try:
-            text = path.read_text(encoding="utf-8", errors="strict")[:4096]
-        except (OSError, UnicodeDecodeError) as e:
-            raise LoaderError(f"{path}: cannot read the pointer file ({e})") from None
+            with open(path, "rb") as f:
+                text = f.read(4096).decode("utf-8", errors="strict")
+        except OSError as e:
+            raise LoaderError(f"{path}: cannot read the pointer file ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise not_a_pointer from None
         lines = text.strip().splitlines()
         if not lines or not lines[0].strip():
             raise LoaderError(f"{path}: the pointer file is empty; write the artifact folder's path in it")
         target = Path(lines[0].strip())
-        return (path.parent / target).resolve() if not target.is_absolute() else target.resolve()
+        try:
+            target = (path.parent / target).resolve() if not target.is_absolute() else target.resolve()
+            if not target.exists():
+                raise not_a_pointer
+        except (OSError, ValueError):  # a name the file system refuses (NUL, too long)
+            raise not_a_pointer from None
+        return target
     return path.resolve()
+
+
+def read_served_manifest(path: str | os.PathLike) -> Manifest:
+    """The manifest of the artifact ``path`` designates (folder, pack, link or pointer file), read
+    without unpacking or hashing anything: for checks before a server starts."""
+    target = resolve_pointer(path)
+    if target.is_file():
+        return read_head(target).manifest
+    return read_manifest(target)
 
 
 def _identity(folder: Path) -> tuple[str, int, int]:
@@ -235,7 +260,7 @@ class Live:
         """
         with self._retired_lock:  # the serving version and those draining, as one consistent set
             serving = self._serving
-            current = serving.model.stats() if serving is not None else {"variants": {}, "shapes": [], "shapes_not_tracked": 0}
+            current = serving.model.stats() if serving is not None else {"calls": 0, "variants": {}, "shapes": [], "shapes_not_tracked": 0}
             shapes = add_histograms(histogram_of(current), self._retired)
             for old in self._draining:
                 add_histograms(shapes, histogram_of(old.model.stats()))
@@ -264,7 +289,7 @@ class Live:
                 start = time.perf_counter()
                 model = load(resolved, **self.load_options)
                 version = model.manifest.version
-                digest = manifest_digest(model.manifest)
+                digest = model.digest
                 self._refuse_mismatch(model, rollback_ok=self.allow_rollback if allow_rollback is None else allow_rollback)
                 if self.warmup:
                     try:

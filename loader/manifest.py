@@ -290,7 +290,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         "policy", "pad_value", "output_dims", "cuda",
     }
     if isinstance(raw, dict) and raw.get("format") != C.FORMAT_NAME:
-        raise r.fail("format", f"{raw.get('format')!r} is not a precompile artifact (expected {C.FORMAT_NAME!r})")
+        raise r.fail("format", f"not {C.FORMAT_NAME!r}: this is not a precompile artifact's manifest")  # never echo the file
     raw = r.obj(raw, "manifest", top_keys, optional={"check", "version", "expires", "policy", "pad_value", "output_dims", "cuda"})
     version = r.int(raw["format_version"], "format_version", 0, MAX_INT)
     if version != C.FORMAT_VERSION:

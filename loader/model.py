@@ -54,9 +54,12 @@ class CompiledModel:
         *,
         device_weights: dict[str, torch.Tensor] | None = None,
         copy_inputs: bool = False,
+        digest: str | None = None,
     ):
         self.path = root
         self.manifest = manifest
+        # The digest of the manifest bytes as read (what a signature covers), not of a re-serialization.
+        self.digest = digest
         self.device_type, index = parse_device(device)
         self.device = "cpu" if index is None else f"cuda:{index}"
         self._weights = weights  # keeps the memory map alive as long as the runners use it
@@ -129,27 +132,39 @@ class CompiledModel:
         tensors, sizes = self._guard.check(args, kwargs)
         key = tuple(sizes[d] for d in self._dim_order)
         if self._policies is not None and self._policies.needed(sizes):
-            outputs, ids = self._policies.run(tensors, sizes, self._run_one)
+            runs: list[tuple[str, float]] = []
+            outputs, ids = self._policies.run(tensors, sizes, lambda t, s: self._run_timed(t, s, runs))
             variant_id = "+".join(dict.fromkeys(ids))
         else:
-            outputs, ids = self._run_one(tensors, sizes)
-            variant_id = ids[0]
-        self._record_shape(key)
+            variant, runner = self._dispatch(sizes)
+            start = time.perf_counter()
+            outputs = runner.run(tensors)
+            runs = [(variant.id, time.perf_counter() - start)]
+            variant_id = variant.id
+        self._count(key, runs)
         return self._outputs(outputs), variant_id
 
-    def _run_one(self, tensors: list, sizes: dict[str, int]) -> tuple[list, list]:
+    def _run_timed(self, tensors: list, sizes: dict[str, int], runs: list[tuple[str, float]]) -> tuple[list, list]:
+        """One piece of a pad or split call: run it and note (variant, seconds) for ``_count``."""
         variant, runner = self._dispatch(sizes)
         start = time.perf_counter()
         outputs = runner.run(tensors)
-        seconds = time.perf_counter() - start
-        with self._stats_lock:
-            entry = self._calls[variant.id]
-            entry[0] += 1
-            entry[1] += seconds
+        runs.append((variant.id, time.perf_counter() - start))
         return outputs, [variant.id]
 
-    def _record_shape(self, key: tuple[int, ...]) -> None:
+    def _count(self, key: tuple[int, ...], runs: list[tuple[str, float]]) -> None:
+        """Count one finished call: once in total and once per variant it ran on, each run of compiled
+        code (a split's pieces) as a piece, and its shape."""
         with self._stats_lock:
+            self._total += 1
+            counted = set()
+            for vid, seconds in runs:
+                entry = self._calls[vid]
+                if vid not in counted:
+                    counted.add(vid)
+                    entry[0] += 1
+                entry[1] += 1
+                entry[2] += seconds
             count = self._shapes.get(key)
             if count is not None:
                 self._shapes[key] = count + 1
@@ -161,12 +176,16 @@ class CompiledModel:
     def stats(self) -> dict[str, Any]:
         """Calls and compute time per variant, and the histogram of shapes seen.
 
+        ``calls`` counts every finished call once. Per variant, ``calls`` counts the calls that ran on
+        it (a pad or split call counts once on each variant its pieces used), ``pieces`` the runs of its
+        compiled code (a split call of three pieces adds three) and ``seconds`` their time.
         ``shapes`` uses the ``{"dims": {...}, "count": N}`` form that a profile's
         ``distribution.file`` reads (one object a line), so serving traffic can feed the next build.
         """
         with self._stats_lock:
             return {
-                "variants": {vid: {"calls": c, "seconds": s} for vid, (c, s) in self._calls.items()},
+                "calls": self._total,
+                "variants": {vid: {"calls": c, "pieces": p, "seconds": s} for vid, (c, p, s) in self._calls.items()},
                 "shapes": [
                     {"dims": dict(zip(self._dim_order, key)), "count": n}
                     for key, n in sorted(self._shapes.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -176,7 +195,8 @@ class CompiledModel:
 
     def reset_stats(self) -> None:
         with self._stats_lock:
-            self._calls = {vid: [0, 0.0] for vid in self._runners}
+            self._total = 0
+            self._calls = {vid: [0, 0, 0.0] for vid in self._runners}  # calls, pieces, seconds
             self._shapes = {}
             self._shapes_dropped = 0
 
@@ -297,7 +317,9 @@ def load(
     weights = MappedWeights(str(root / C.WEIGHTS_FILE))
     _check_constants(manifest, weights)
     runners, device_weights = _open_runners(root, manifest, weights, device)
-    model = CompiledModel(root, manifest, weights, runners, device, device_weights=device_weights, copy_inputs=copy_inputs)
+    model = CompiledModel(
+        root, manifest, weights, runners, device, device_weights=device_weights, copy_inputs=copy_inputs, digest=opened.digest
+    )
     opened.loaded()
     return model
 

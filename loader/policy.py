@@ -1,8 +1,11 @@
 """Out-of-range policies: serve a size no variant covers by padding it up or splitting it.
 
 ``pad``: grow the dim up to the smallest covered size, filling inputs with their pad value, then cut
-every output axis that follows the dim back to the caller's size. ``split``: cut the dim into pieces
-within range, run each, and concatenate the outputs along the axes that follow the dim. Both undo
+every output axis that follows the dim back to the caller's size (all of them: attention scores
+``[batch, seq, seq]`` are cut on both seq axes). ``split``: cut the dim into pieces within range, run
+each, and concatenate the outputs along the one axis of each output that follows the dim. An output
+with the dim on no axis or on several cannot be put back together from pieces, so split refuses such
+artifacts' out-of-range calls (and the build refuses such profiles: ``split_problem``). Both undo
 themselves only through the output axes the profile declared (``output_dims`` in the manifest).
 """
 
@@ -16,6 +19,7 @@ from .errors import GuardError
 from .manifest import DimRange, Manifest
 
 Run = Callable[[list, dict], tuple[list, list]]  # (tensors, sizes) -> (flat outputs, variant ids)
+OutputDims = Sequence[Sequence["str | None"]]  # per flat output, per axis: the dim it follows
 
 
 def split_sizes(size: int, lo: int, hi: int) -> list[int] | None:
@@ -29,6 +33,30 @@ def split_sizes(size: int, lo: int, hi: int) -> list[int] | None:
     return [base + 1] * extra + [base] * (pieces - extra)
 
 
+def axes_following(dim: str, output_dims: OutputDims) -> list[tuple[int, ...]]:
+    """Per flat output, the axes that follow ``dim``."""
+    return [tuple(axis for axis, d in enumerate(axes) if d == dim) for axes in output_dims]
+
+
+def split_problem(dim: str, output_dims: OutputDims | None) -> str | None:
+    """Why splitting ``dim`` cannot give the unsplit call's outputs, or None when it can.
+
+    Concatenating pieces rebuilds an output only along one axis: an output that does not follow the
+    dim would come back once per piece, and one that follows it on several axes (attention scores
+    ``[batch, seq, seq]`` split on seq) misses every cross-piece entry.
+    """
+    if output_dims is None:
+        return "the artifact does not say which output axes follow it"
+    for i, axes in enumerate(axes_following(dim, output_dims)):
+        if len(axes) != 1:
+            where = "no axis" if not axes else f"axes {', '.join(map(str, axes))}"
+            return (
+                f"output {i} follows {dim!r} on {where}; pieces can be concatenated back only along "
+                "exactly one axis of every output"
+            )
+    return None
+
+
 class Policies:
     """The manifest's policies, with the input and output axes each dim touches precomputed."""
 
@@ -40,8 +68,13 @@ class Policies:
             for d in self.policy
         }
         self.pad_values = [manifest.pad_value.get(spec.name, 0.0) for spec in manifest.inputs]
-        self.output_axes = {
-            d: [axes.index(d) if d in axes else None for axes in (manifest.output_dims or ())] for d in self.policy
+        outputs = manifest.output_dims or ()
+        self.output_axes = {d: axes_following(d, outputs) for d in self.policy}
+        # An artifact whose split cannot be undone still serves every in-range call.
+        self.unsplittable = {
+            d: problem
+            for d, p in self.policy.items()
+            if p == "split" and (problem := split_problem(d, manifest.output_dims)) is not None
         }
 
     def needed(self, sizes: dict[str, int]) -> bool:
@@ -63,6 +96,12 @@ class Policies:
         return run(tensors, sizes)
 
     def _split(self, d: str, r: DimRange, n: int, tensors: list, sizes: dict, run: Run) -> tuple[list, list]:
+        if d in self.unsplittable:
+            raise GuardError(
+                f"dim {d!r} is {n}, outside the built range {r}; its policy is split, which this artifact "
+                f"cannot undo: {self.unsplittable[d]}",
+                reason="policy",
+            )
         pieces = split_sizes(n, r.min, r.max) if n > r.max else None
         if pieces is None:
             raise GuardError(
@@ -77,7 +116,7 @@ class Policies:
             parts.append(outputs)
             ids += used
             offset += size
-        return [torch.cat([p[k] for p in parts], dim=axis) for k, axis in enumerate(self.output_axes[d])], ids
+        return [torch.cat([p[k] for p in parts], dim=axes[0]) for k, axes in enumerate(self.output_axes[d])], ids
 
     def _pad(self, d: str, r: DimRange, n: int, tensors: list, sizes: dict, run: Run) -> tuple[list, list]:
         if n > r.max:
@@ -93,7 +132,13 @@ class Policies:
             fill = torch.full(shape, self.pad_values[i], dtype=t.dtype, device=t.device)
             padded[i] = torch.cat([t, fill], dim=axis)
         outputs, ids = self.run(padded, {**sizes, d: r.min}, run)
-        return [o if axis is None else o.narrow(axis, 0, n) for o, axis in zip(outputs, self.output_axes[d])], ids
+        return [_cut(o, axes, n) for o, axes in zip(outputs, self.output_axes[d])], ids
+
+
+def _cut(t: torch.Tensor, axes: tuple[int, ...], size: int) -> torch.Tensor:
+    for axis in axes:
+        t = t.narrow(axis, 0, size)
+    return t
 
 
 def _narrow(tensors: Sequence, axes: list[tuple[int, int]], offset: int, size: int) -> list:

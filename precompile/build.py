@@ -31,7 +31,7 @@ from loader.guards import TORCH_DTYPES
 from loader.manifest import CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
 
 from . import __version__
-from .check import CheckReport, compare, flatten, output_spec, run_eager
+from .check import CheckReport, check_policies, check_policy_outputs, compare, flatten, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
 from .errors import CompileError, ModelError, PrecompileError, ProfileError
 from .export import export_hints, export_model
@@ -100,6 +100,7 @@ def build(
             raise
         out_spec = output_spec(eager_out)
         output_dims = _output_dims(loaded, flatten(eager_out), plan.variants[-1].hint)
+        check_policy_outputs(loaded)
     staging = staging_folder(target)
     try:
         (staging / C.VARIANTS_DIR).mkdir()
@@ -112,6 +113,7 @@ def build(
             manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda)
         with progress.stage("check", "compiled vs eager, every variant"):
             report = check_artifact(loaded, model, staging, [vp for vp, _ in packages])
+            check_policies(loaded, model, staging, report)
         measured: list[dict[str, Any]] = []
         if profile.plan.measure and any(v.kind == "static" for v in variants):
             with progress.stage("measure", f"static variants must be ≥ {profile.plan.min_speedup}× faster"):

@@ -1,16 +1,22 @@
-"""Stage 4, check: run the compiled code through the real loader and compare it with eager."""
+"""Stage 4, check: run the compiled code through the real loader and compare it with eager, and
+run every pad/split policy past its dim's range the same way (a policy that changes the results is
+the profile's error)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+import loader
 from loader.manifest import OutputSpec
+from loader.policy import split_problem, split_sizes
 
-from .errors import CheckError, ModelError
-from .profile import Profile
+from .errors import CheckError, ModelError, ProfileError
+from .profile import LoadedProfile, Profile
+from .samples import make_inputs, to_device
 
 
 def output_spec(value: Any, where: str = "output") -> OutputSpec:
@@ -105,3 +111,58 @@ def compare(
     report.max_abs_error = max(report.max_abs_error, worst)
     report.per_shape.append({"variant": variant, "dims": dict(sizes), "max_abs_error": worst})
 
+
+
+# --- out-of-range policies -----------------------------------------------------------------------
+
+
+def check_policy_outputs(loaded: LoadedProfile) -> None:
+    """Refuse, before anything compiles, a ``split`` whose pieces cannot be put back together: an
+    output that follows the dim on several axes (attention scores ``[batch, seq, seq]`` split on seq
+    would lose every entry across pieces) or on none."""
+    profile = loaded.profile
+    if profile.outputs is None:
+        return  # the profile check already refuses pad/split without outputs
+    output_dims = [[s if isinstance(s, str) and s in profile.dims else None for s in o.shape] for o in profile.outputs]
+    problems = [
+        (f"policy.out_of_range.{d}", f"split cannot be undone: {problem}; use pad or error for {d!r}")
+        for d, policy in profile.policy.out_of_range.items()
+        if policy == "split" and (problem := split_problem(d, output_dims)) is not None
+    ]
+    if problems:
+        raise ProfileError(str(loaded.path), problems)
+
+
+def check_policies(loaded: LoadedProfile, model: torch.nn.Module, folder: Path, report: CheckReport) -> None:
+    """Call the artifact in ``folder`` through the real loader with each pad/split dim past its range
+    (the other dims at their hint) and compare with eager on the same inputs; a policy that changes
+    the results is a ProfileError naming the dim and the policy."""
+    profile = loaded.profile
+    policies = {d: p for d, p in profile.policy.out_of_range.items() if p != "error"}
+    if not policies:
+        return
+    compiled = loader.load(folder)
+    hints = {d: min(max(profile.hint(d), spec.min), spec.max) for d, spec in profile.dims.items()}
+    for d, policy in policies.items():
+        for size in policy_sizes(profile.dims[d].min, profile.dims[d].max, policy):
+            sizes = {**hints, d: size}
+            args = make_inputs(profile, sizes, seed=profile.check.seed + size)
+            want = run_eager(model, args)
+            got, variant = compiled.call_detailed(*to_device(args, compiled.device, None))
+            dtype = next((v.dtype for v in compiled.variants if v.id == variant.split("+")[0]), None)
+            try:
+                compare(profile, want, got, sizes, f"{variant} ({d}: {policy})", report, compute_dtype=dtype)
+            except CheckError as e:
+                fix = "pad_value that leaves the results unchanged" if policy == "pad" else "model whose items are independent along it"
+                problem = f"{policy} changes the results ({e}); use error for {d!r}, or a {fix}"
+                raise ProfileError(str(loaded.path), [(f"policy.out_of_range.{d}", problem)]) from None
+
+
+def policy_sizes(lo: int, hi: int, policy: str) -> list[int]:
+    """Sizes past [lo, hi] that ``policy`` serves, to check it with: for pad, the smallest and the
+    largest below the range; for split, the first size above it that splits (unevenly, mostly) and
+    an even split into two."""
+    if policy == "pad":
+        return sorted({1, lo - 1}) if lo >= 2 else []
+    candidates = dict.fromkeys(n for n in (hi + 1, 2 * hi + 1, 2 * hi) if split_sizes(n, lo, hi) is not None)
+    return list(candidates)[:2]

@@ -367,7 +367,7 @@ MANIFESTS = {
     "many-inputs": (lambda m: m.update(inputs=[{}] * 2000), "inputs: list has 2000 items, more than 1024"),
     "expires-not-a-date": (lambda m: m.update(expires="tomorrow"), "expires: 'tomorrow' is not an ISO 8601 date-time"),
     "expires-naive": (lambda m: m.update(expires="2030-01-01T00:00:00"), "needs a time zone"),
-    "format-other": (lambda m: m.update(format="zip"), "'zip' is not a precompile artifact"),
+    "format-other": (lambda m: m.update(format="zip"), "format: not 'precompile-artifact'"),
 }
 
 

@@ -199,3 +199,60 @@ def test_a_link_to_a_pack_serves_the_pack(classifier_pack, tmp_path):
     live = Live(link, cache_dir=tmp_path / "cache")
     assert live.serving.path == classifier_pack.resolve()
     assert live(*inputs()).shape == (2, 3)
+
+
+SECRET = "hunter2-do-not-leak"
+
+
+@pytest.mark.parametrize(
+    "content", [SECRET + "\n", b"\x89PNG\r\n" + SECRET.encode(), "../" + SECRET], ids=["text", "binary", "relative-path"]
+)
+def test_a_file_that_is_no_pointer_is_never_quoted(classifier_versions, tmp_path, content):
+    """A path naming some other file (a secret, a config): the error names the file, not its content."""
+    path = tmp_path / "secret.txt"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(LoaderError) as info:
+        resolve_pointer(path)
+    assert SECRET not in str(info.value)
+    assert str(info.value) == (
+        f"{path}: not an artifact folder, a pack, or a pointer file naming an existing one "
+        "(a pointer file holds one line: the artifact's path, relative to the file)"
+    )
+    live = Live(classifier_versions[0])
+    with pytest.raises(LoaderError):
+        live.swap(path)
+    assert SECRET not in json.dumps(live.status())
+
+
+def test_a_manifest_of_another_format_is_not_quoted(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps({"format": SECRET, "name": SECRET}))
+    with pytest.raises(ArtifactError) as info:
+        loader.load(tmp_path / "a")
+    assert SECRET not in str(info.value)
+
+
+def test_the_digest_is_of_the_manifest_as_read(classifier_artifact, tmp_path):
+    """A manifest without the optional keys (an older writer): written again by this loader it would
+    gain them and hash differently; the digest reported is the one a signature covers."""
+    from loader.artifact import manifest_digest, read_manifest_with_bytes
+
+    manifest = json.loads((classifier_artifact / "manifest.json").read_text())
+    folder = tmp_path / "a"
+    shutil.copytree(classifier_artifact, folder)
+    (folder / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k not in ("check", "expires")}))
+    parsed, raw = read_manifest_with_bytes(folder)
+    assert manifest_digest(raw) != manifest_digest(parsed)
+    live = Live(folder)
+    assert live.serving.digest == live.model.digest == manifest_digest(raw)
+    assert live.status()["serving"]["digest"] == manifest_digest(raw)
+
+
+def test_stats_count_each_call_once(classifier_versions):
+    live = Live(classifier_versions[0])
+    for seq in (5, 6, 7):
+        live(*inputs(2, seq))
+    stats = live.stats()
+    assert stats["calls"] == 3
+    assert stats["variants"]["dynamic"] == {"calls": 3, "pieces": 3, "seconds": pytest.approx(stats["variants"]["dynamic"]["seconds"])}
+    assert Live().stats()["calls"] == 0

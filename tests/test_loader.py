@@ -90,7 +90,7 @@ def copy_with_manifest(src: Path, dst: Path, edit) -> Path:
 
 def test_unknown_format_is_refused(tmp_path, classifier_artifact):
     path = copy_with_manifest(classifier_artifact, tmp_path / "a", lambda m: m.update(format="something-else"))
-    with pytest.raises(ArtifactError, match="'something-else' is not a precompile artifact"):
+    with pytest.raises(ArtifactError, match="format: not 'precompile-artifact': this is not a precompile artifact's manifest"):
         loader.load(path)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,10 +18,14 @@ import torch
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from dataclasses import replace
+
 from loader import GuardError, Live
-from loader.artifact import manifest_digest, read_manifest
+from loader.artifact import manifest_digest, read_manifest, read_manifest_with_bytes
+from loader.manifest import DimRange
 from precompile.cli import main
 from precompile.serve.app import create_app
+from precompile.serve.codec import MIN_BODY_BYTES, body_limit
 from precompile.serve.config import ServeConfig
 from precompile.serve.metrics import guard_reason, size_bucket
 
@@ -112,6 +117,11 @@ def test_predict_keeps_the_output_structure(structured_artifact):
     assert data["outputs"]["pair"] == [expected["pair"][0].tolist(), expected["pair"][1].tolist()]
 
 
+DEEP: list = [1]
+for _ in range(40):
+    DEEP = [DEEP]
+
+
 @pytest.mark.parametrize(
     "inputs, detail, reason",
     [
@@ -125,8 +135,13 @@ def test_predict_keeps_the_output_structure(structured_artifact):
         ({"ids": [[1] * 10, [1] * 9], "mask": [[True] * 10] * 2}, "input 'ids': not a rectangular nested list of numbers", "invalid_body"),
         ({"ids": "1 2 3", "mask": [[True] * 10] * 2}, "input 'ids': expected a nested list of numbers, got a string", "invalid_body"),
         ({"ids": [[2**70] * 10] * 2, "mask": [[True] * 10] * 2}, "input 'ids': not a rectangular nested list of numbers (Overflow", "invalid_body"),
+        ({"ids": [[True] + [1] * 9] * 2, "mask": [[True] * 10] * 2}, "input 'ids': is int64, so its values must be integers", "invalid_body"),
+        ({"ids": [[True] * 10] * 2, "mask": [[True] * 10] * 2}, "input 'ids': is int64, so its values must be integers", "invalid_body"),
+        ({"ids": [[1e300] * 10] * 2, "mask": [[True] * 10] * 2}, "input 'ids': is int64, so its values must be integers", "invalid_body"),
+        ({"ids": DEEP, "mask": [[True]]}, "input 'ids': nested more than 32 lists deep", "invalid_body"),
     ],
-    ids=["out-of-range", "dim-mismatch", "missing", "unknown", "rank", "float-for-int", "int-for-bool", "ragged", "string", "overflow"],
+    ids=["out-of-range", "dim-mismatch", "missing", "unknown", "rank", "float-for-int", "int-for-bool", "ragged", "string", "overflow",
+         "bool-among-ints", "bools-for-int", "huge-float-for-int", "deep"],
 )
 def test_bad_inputs_are_422_with_the_guard_text(client, inputs, detail, reason):
     response = client.post("/predict", json={"inputs": inputs})
@@ -162,6 +177,55 @@ def test_a_body_over_the_limit_is_413(client):
     response = client.post("/predict", content=chunks())
     assert response.status_code == 413
     assert "larger than the 65536 bytes" in response.json()["detail"]
+
+
+def test_whole_numbers_written_as_floats_are_integers(client, live):
+    payload, (ids, mask) = body(2, 10)
+    payload["inputs"]["ids"] = [[float(v) for v in row] for row in payload["inputs"]["ids"]]  # 3.0: an integer to JSON
+    response = client.post("/predict", json=payload)
+    assert response.status_code == 200 and response.json()["outputs"] == live.model(ids, mask).tolist()
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e39", b"-1e39", b"1e400"], ids=lambda v: v.decode())
+def test_float_values_must_be_finite_and_fit_the_dtype(structured_artifact, value):
+    raw = b'{"inputs": {"x": [[0.5, 1, 2, 3, 4, 5, 6, ' + value + b"]]}}"
+    with AppClient(create_app(ServeConfig(str(structured_artifact)), live=Live(structured_artifact))) as c:
+        response = c.post("/predict", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == 422
+        assert response.json() == {
+            "detail": "input 'x': values must be finite numbers within float32's range (±3.403e+38); "
+            "NaN, Infinity and larger numbers are refused",
+            "reason": "invalid_body",
+        }
+        assert c.post("/predict", content=raw.replace(value, b"3.4e38")).status_code == 200
+
+
+def test_every_endpoint_has_the_body_limit(live, classifier_artifact):
+    big = b'{"path": "' + b"x" * 70_000 + b'"}'
+
+    async def chunks():
+        for i in range(0, len(big), 4096):
+            yield big[i : i + 4096]
+
+    config = ServeConfig(str(classifier_artifact), max_body_bytes=64 * 1024, allow_reload=True)
+    with AppClient(create_app(config, live=live)) as c:
+        for method, url in [("POST", "/v1/reload"), ("POST", "/predict"), ("GET", "/healthz"), ("GET", "/metrics")]:
+            response = c.request(method, url, content=big)  # with Content-Length
+            assert response.status_code == 413, (url, response.text)
+            assert "larger than the 65536 bytes this server accepts (--max-body-bytes)" in response.json()["detail"]
+        for url in ("/v1/reload", "/predict"):  # read while it arrives, without Content-Length
+            assert c.post(url, content=chunks()).status_code == 413
+
+
+def test_the_default_body_limit_fits_the_largest_call_in_range(classifier_artifact):
+    manifest = read_manifest(classifier_artifact)
+    assert body_limit(manifest) == MIN_BODY_BYTES  # 8 × 48 tokens: far below
+    wide = replace(manifest, dims={"batch": DimRange(1, 64), "seq": DimRange(2, 4096)})
+    limit = body_limit(wide)
+    ids = torch.full((64, 4096), -(2**63), dtype=torch.int64)
+    largest = json.dumps({"inputs": {"ids": ids.tolist(), "mask": torch.zeros(64, 4096, dtype=torch.bool).tolist()}})
+    assert len(largest) <= limit < 2 * len(largest)
+    assert AppClient(create_app(ServeConfig(str(classifier_artifact)))).app.state.service.max_body_bytes == MIN_BODY_BYTES
 
 
 def test_an_internal_failure_is_500_and_the_server_serves_on(client, live, monkeypatch):
@@ -217,7 +281,7 @@ def test_a_failed_load_keeps_readyz_503_with_the_reason(tmp_path):
 def test_artifact_summary(client, classifier_artifact):
     data = client.get("/v1/artifact").json()
     assert data["name"] == "tiny-classifier" and data["version"] == 1
-    assert data["digest"] == manifest_digest(read_manifest(classifier_artifact))
+    assert data["digest"] == manifest_digest(read_manifest_with_bytes(classifier_artifact)[1])
     assert data["inputs"] == [
         {"name": "ids", "dtype": "int64", "shape": ["batch", "seq"]},
         {"name": "mask", "dtype": "bool", "shape": ["batch", "seq"]},
@@ -244,7 +308,7 @@ def test_metrics_count_requests_variants_rejections_and_shapes(live, classifier_
     assert m[("precompile_rejections_total", (("reason", "invalid_body"),))] == 1
     assert m[("precompile_shape_calls_total", (("shape", "batch=2,seq=9-16"),))] == 3
     assert m[("precompile_shape_calls_total", (("shape", "batch=2,seq=17-32"),))] == 1
-    digest = manifest_digest(read_manifest(classifier_artifact))
+    digest = manifest_digest(read_manifest_with_bytes(classifier_artifact)[1])
     info = (("digest", digest), ("name", "tiny-classifier"), ("version", "1"))
     assert m[("precompile_artifact_info", info)] == 1
 
@@ -266,7 +330,7 @@ def test_every_guard_message_has_a_reason(live, structured_artifact):
         "duplicate_input": lambda: m(ids, mask, ids=ids),
         "not_a_tensor": lambda: m(ids.tolist(), mask),
         "dtype": lambda: m(ids.int(), mask),
-        "device": lambda: m(ids.to("meta"), mask),
+        "meta": lambda: m(ids.to("meta"), mask),
         "rank": lambda: m(ids[0], mask),
         "out_of_range": lambda: m(torch.zeros(2, 49, dtype=torch.int64), mask),
         "dim_mismatch": lambda: m(ids, mask[:, :9]),
@@ -289,28 +353,146 @@ def test_reload_is_off_unless_allowed(client, classifier_versions):
 
 
 def test_reload_swaps_versions_and_refuses_bad_ones(classifier_versions, tmp_path):
-    config = ServeConfig(str(classifier_versions[0]), allow_reload=True)
+    root = classifier_versions[1].parent  # v2, v3, v4 live here; v1 (the served one) elsewhere
+    config = ServeConfig(str(classifier_versions[0]), allow_reload=True, reload_root=str(root))
     with AppClient(create_app(config, live=Live(classifier_versions[0]))) as c:
-        response = c.post("/v1/reload", json={"path": str(classifier_versions[1])})
+        response = c.post("/v1/reload", json={"path": str(classifier_versions[2])})
         assert response.status_code == 200
-        assert response.json()["serving"]["version"] == 2 and response.json()["previous"]["version"] == 1
-        assert c.post("/predict", json=body()[0]).json()["artifact"]["version"] == 2
+        assert response.json()["serving"]["version"] == 3 and response.json()["previous"]["version"] == 1
+        assert c.post("/predict", json=body()[0]).json()["artifact"]["version"] == 3
 
-        response = c.post("/v1/reload", json={"path": str(tmp_path / "missing")})
+        response = c.post("/v1/reload", json={"path": "missing"})  # relative: under the root
         assert response.status_code == 422
         assert "no such artifact" in response.json()["detail"]
-        assert response.json()["serving"]["version"] == 2
+        assert response.json()["serving"]["version"] == 3
 
-        response = c.post("/v1/reload", json={"path": str(classifier_versions[0])})
-        assert response.status_code == 422 and "older than the serving version 2" in response.json()["detail"]
-        response = c.post("/v1/reload", json={"path": str(classifier_versions[0]), "allow_rollback": True})
-        assert response.status_code == 200 and response.json()["serving"]["version"] == 1
+        response = c.post("/v1/reload", json={"path": "v2"})
+        assert response.status_code == 422 and "older than the serving version 3" in response.json()["detail"]
+        response = c.post("/v1/reload", json={"path": str(classifier_versions[0])})  # the served path: always
+        assert response.status_code == 422 and "older than the serving version 3" in response.json()["detail"]
 
         assert c.post("/v1/reload", json={"path": 3}).status_code == 422
-        assert c.get("/v1/artifact").json()["last_attempt"]["ok"] is True
+        assert c.get("/v1/artifact").json()["last_attempt"]["ok"] is False
         m = metrics(c)
-        assert m[("precompile_reloads_total", (("result", "ok"),))] == 2
-        assert m[("precompile_reloads_total", (("result", "failed"),))] == 2
+        assert m[("precompile_reloads_total", (("result", "ok"),))] == 1
+        assert m[("precompile_reloads_total", (("result", "failed"),))] == 3
+
+
+def test_a_request_cannot_ask_for_a_rollback(classifier_versions):
+    config = ServeConfig(str(classifier_versions[1]), allow_reload=True, reload_root=str(classifier_versions[1].parent))
+    live = Live(classifier_versions[2])
+    with AppClient(create_app(config, live=live)) as c:
+        response = c.post("/v1/reload", json={"path": "v2", "allow_rollback": True})
+        assert response.status_code == 422
+        assert response.json()["detail"] == (
+            '"allow_rollback" is not a request field: the server decides rollbacks (precompile serve --allow-rollback)'
+        )
+        assert live.serving.version == 3 and live.last_attempt.ok
+
+
+def test_the_servers_allow_rollback_decides(classifier_versions):
+    root = classifier_versions[1].parent
+    config = ServeConfig(str(classifier_versions[2]), allow_reload=True, reload_root=str(root), allow_rollback=True)
+    with AppClient(create_app(config)) as c:
+        assert readiness(c).status_code == 200
+        response = c.post("/v1/reload", json={"path": "v2"})
+        assert response.status_code == 200 and response.json()["serving"]["version"] == 2
+
+
+def test_without_a_reload_root_only_the_served_path_reloads(classifier_versions, tmp_path):
+    current = tmp_path / "current"
+    current.symlink_to(classifier_versions[0])
+    config = ServeConfig(str(current), allow_reload=True)
+    with AppClient(create_app(config)) as c:
+        assert readiness(c).status_code == 200
+        response = c.post("/v1/reload", json={"path": str(classifier_versions[1])})
+        assert response.status_code == 403
+        assert response.json()["detail"] == (
+            f"{classifier_versions[1]}: this server reloads only the path it serves ({current}); "
+            "start it with --reload-root DIR to allow reloading artifacts under DIR"
+        )
+        current.unlink()
+        current.symlink_to(classifier_versions[1])  # a deploy; the reload picks it up at once
+        response = c.post("/v1/reload")
+        assert response.status_code == 200 and response.json()["serving"]["version"] == 2
+        assert c.post("/v1/reload", json={"path": str(current)}).status_code == 200  # named: the same
+
+
+SECRET = "hunter2-do-not-leak"
+
+
+@pytest.fixture
+def reload_root(classifier_versions, tmp_path):
+    """A reload root holding v2 and, outside it, a secret file and v3; links and a pointer that lead out."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "v2").symlink_to(classifier_versions[1])  # a link to a folder outside: followed, so refused
+    shutil.copytree(classifier_versions[1], root / "inside")
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET + "\n")
+    (root / "leak").symlink_to(secret)
+    (root / "pointer").write_text(str(classifier_versions[2]) + "\n")
+    (root / "notes.txt").write_text(SECRET + "\n")  # inside the root, but not an artifact
+    (root / "fake").mkdir()
+    (root / "fake" / "manifest.json").write_text(json.dumps({"format": SECRET}))
+    return root
+
+
+@pytest.mark.parametrize(
+    "path, code, detail",
+    [
+        ("../secret.txt", 403, "../secret.txt: not under --reload-root"),
+        ("{tmp}/secret.txt", 403, "{tmp}/secret.txt: not under --reload-root"),
+        ("leak", 403, "leak: not under --reload-root"),
+        ("v2", 403, "v2: not under --reload-root"),
+        ("pointer", 403, "pointer: designates an artifact outside --reload-root"),
+        ("notes.txt", 422, "not an artifact folder, a pack, or a pointer file naming an existing one"),
+        ("fake", 422, "format: not 'precompile-artifact': this is not a precompile artifact's manifest"),
+    ],
+    ids=["dot-dot", "absolute", "link-to-a-secret", "link-to-an-artifact", "pointer-out", "text-file", "fake-manifest"],
+)
+def test_reload_is_confined_to_the_root_and_never_echoes_a_file(classifier_versions, reload_root, tmp_path, path, code, detail):
+    path, detail = path.format(tmp=tmp_path), detail.format(tmp=tmp_path)
+    config = ServeConfig(str(classifier_versions[0]), allow_reload=True, reload_root=str(reload_root))
+    with AppClient(create_app(config, live=Live(classifier_versions[0]))) as c:
+        response = c.post("/v1/reload", json={"path": path})
+        assert response.status_code == code and detail in response.json()["detail"]
+        for text in (response.text, c.get("/v1/artifact").text, c.get("/readyz").text, c.get("/metrics").text):
+            assert SECRET not in text
+        assert c.post("/v1/reload", json={"path": "inside"}).status_code == 200  # what the root holds loads
+
+
+def test_serve_applies_the_trust_policy_to_the_first_load(classifier_artifact, signing_keys, tmp_path):
+    with AppClient(create_app(ServeConfig(str(classifier_artifact), trusted_keys=(str(signing_keys[1]),)))) as c:
+        response = readiness(c)
+        assert response.status_code == 503 and "not signed" in response.json()["detail"], response.text
+    with AppClient(create_app(ServeConfig(str(classifier_artifact), min_version=2))) as c:
+        response = readiness(c)
+        assert response.status_code == 503 and "version 1" in response.json()["detail"], response.text
+
+
+def test_serve_applies_the_trust_policy_to_reloads(classifier_versions, signing_keys, tmp_path):
+    from precompile.ship import sign
+
+    root = tmp_path / "root"
+    for n in (1, 2):
+        shutil.copytree(classifier_versions[n - 1], root / f"v{n}")
+    sign(root / "v1", signing_keys[0])
+    config = ServeConfig(str(root / "v1"), allow_reload=True, reload_root=str(root), trusted_keys=(str(signing_keys[1]),))
+    with AppClient(create_app(config)) as c:
+        assert readiness(c).status_code == 200
+        response = c.post("/v1/reload", json={"path": "v2"})
+        assert response.status_code == 422 and "not signed" in response.json()["detail"]
+        assert c.get("/readyz").json()["version"] == 1
+
+
+def test_refuse_rollback_keeps_the_hosts_ledger(classifier_versions, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRECOMPILE_STATE", str(tmp_path / "state"))
+    with AppClient(create_app(ServeConfig(str(classifier_versions[1]), refuse_rollback=True))) as c:
+        assert readiness(c).status_code == 200
+    with AppClient(create_app(ServeConfig(str(classifier_versions[0]), refuse_rollback=True))) as c:
+        response = readiness(c)
+        assert response.status_code == 503 and "rollback" in response.json()["detail"], response.text
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -331,6 +513,55 @@ def test_serve_without_the_extra_says_how_to_install_it(classifier_artifact, mon
 def test_serve_refuses_a_missing_artifact_before_starting(tmp_path):
     result = invoke("serve", str(tmp_path / "nope"))
     assert result.exit_code == 1 and "no such artifact" in result.output and "Traceback" not in result.output
+
+
+@pytest.fixture
+def served_config(monkeypatch):
+    """What `precompile serve` would start uvicorn with (nothing starts)."""
+    seen = {}
+    monkeypatch.setattr("precompile.serve.server.run", lambda config, **kw: seen.update(config=config, **kw))
+    return seen
+
+
+def test_serve_takes_a_pack(classifier_pack, served_config):
+    result = invoke("serve", str(classifier_pack))
+    assert result.exit_code == 0, result.output
+    assert served_config["config"].artifact == str(classifier_pack)
+
+
+def test_serve_passes_the_trust_policy_and_limits_on(classifier_artifact, signing_keys, tmp_path, served_config, monkeypatch):
+    args = ["--trusted-key", str(signing_keys[1]), "--trusted-key", str(signing_keys[1]), "--min-version", "3",
+            "--refuse-rollback", "--allow-reload", "--reload-root", str(tmp_path)]
+    assert invoke("serve", str(classifier_artifact), *args).exit_code == 0
+    config = served_config["config"]
+    assert config.trusted_keys == (str(signing_keys[1]),) * 2 and config.min_version == 3 and config.refuse_rollback
+    assert config.reload_root == str(tmp_path) and config.max_body_bytes == MIN_BODY_BYTES
+    assert config.load_options() == {
+        "verify": True, "trusted_keys": [str(signing_keys[1])] * 2, "min_version": 3, "refuse_rollback": True
+    }
+    monkeypatch.setenv(*config.to_env().popitem())  # how --workers N hands it to each worker
+    assert ServeConfig.from_env() == config
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--reload-root", "."], "--reload-root without --allow-reload"),
+        (["--allow-rollback", "--refuse-rollback"], "--allow-rollback and --refuse-rollback contradict each other"),
+        (["--no-verify", "--trusted-key", "{key}"], "--no-verify skips the sha256 checks a signature relies on"),
+    ],
+    ids=["root-without-reload", "rollback", "no-verify"],
+)
+def test_serve_refuses_options_that_contradict(classifier_artifact, signing_keys, args, message):
+    result = invoke("serve", str(classifier_artifact), *[a.format(key=signing_keys[1]) for a in args])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_serve_refuses_a_key_that_is_not_one(classifier_artifact, tmp_path):
+    bad = tmp_path / "bad.pub"
+    bad.write_text("not a key\n")
+    result = invoke("serve", str(classifier_artifact), "--trusted-key", str(bad))
+    assert result.exit_code == 1 and str(bad) in result.output and "Traceback" not in result.output
 
 
 @pytest.mark.parametrize(

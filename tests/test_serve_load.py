@@ -168,7 +168,8 @@ class Load:
 
 def test_reloads_under_load_fail_no_request(classifier_versions):
     requests = bodies(12, seed=2)
-    config = ServeConfig(str(classifier_versions[0]), allow_reload=True)
+    root = classifier_versions[1].parent  # v2..v4
+    config = ServeConfig(str(classifier_versions[0]), allow_reload=True, reload_root=str(root))
     with server(create_app(config)) as base:
         wait_ready(base)
         with httpx.Client(base_url=base, timeout=10) as c:

@@ -2,10 +2,14 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from . import main, user_errors
+
+if TYPE_CHECKING:
+    from loader.manifest import Manifest
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -15,9 +19,13 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Server processes, each loading the artifact.")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), default=8 * 1024 * 1024, show_default=True, help="Larger /predict bodies get HTTP 413.")
-@click.option("--allow-reload", is_flag=True, help="Enable POST /v1/reload (an admin endpoint: it loads any path on this host).")
-@click.option("--allow-rollback", is_flag=True, help="Let a reload or --watch swap to an older version.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), help="Larger request bodies get HTTP 413 on every endpoint. Default: the JSON size of the largest call within the artifact's dim ranges (1 MiB to 256 MiB).")
+@click.option("--allow-reload", is_flag=True, help="Enable POST /v1/reload (an admin endpoint): reload ARTIFACT, or with --reload-root, artifacts under it.")
+@click.option("--reload-root", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Let /v1/reload load artifacts under DIR only (symbolic links followed); without it, only ARTIFACT.")
+@click.option("--allow-rollback", is_flag=True, help="Let a reload or --watch swap to an older version (a request cannot ask for it).")
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Serve only artifacts signed by this public key (repeatable): the first load, --watch and reloads.")
+@click.option("--min-version", type=click.IntRange(min=0), help="Refuse artifact versions below N, at the first load, --watch and reloads.")
+@click.option("--refuse-rollback", is_flag=True, help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).")
 @click.option("--watch", is_flag=True, help="Follow ARTIFACT (a link or pointer file) and swap when a deploy replaces it.")
 @click.option("--watch-interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True, help="Seconds between looks at ARTIFACT.")
 @click.option("--record", metavar="PATH", help="Write the observed shape histogram to PATH ({pid}: the process id).")
@@ -30,9 +38,13 @@ def serve(
     host: str,
     port: int,
     workers: int,
-    max_body_bytes: int,
+    max_body_bytes: int | None,
     allow_reload: bool,
+    reload_root: Path | None,
     allow_rollback: bool,
+    trusted_keys: tuple[Path, ...],
+    min_version: int | None,
+    refuse_rollback: bool,
     watch: bool,
     watch_interval: float,
     record: str | None,
@@ -42,9 +54,9 @@ def serve(
 ) -> None:
     """Serve ARTIFACT over HTTP: POST /predict, /healthz, /readyz, /metrics, /v1/artifact.
 
-    ARTIFACT is an artifact folder, or a link or pointer file naming one (see --watch). The model is
-    loaded and warmed up in the background; /readyz answers 200 once it is. Needs the serve extra:
-    pip install 'precompile[serve]'.
+    ARTIFACT is an artifact folder or pack, or a link or pointer file naming one (see --watch). The
+    model is loaded and warmed up in the background; /readyz answers 200 once it is. The trust options
+    apply to every version served. Needs the serve extra: pip install 'precompile[serve]'.
     """
     missing = [name for name in SERVE_PACKAGES if _missing(name)]
     if missing:
@@ -62,21 +74,32 @@ def serve(
             f"--record {record} with --workers {workers}: each worker writes its own file; put {{pid}} in the "
             "path (e.g. traffic-{pid}.jsonl) and merge them with `precompile profile merge`"
         )
-    _preflight(artifact, record)
+    if reload_root is not None and not allow_reload:
+        raise click.UsageError("--reload-root without --allow-reload: reload is off")
+    if allow_rollback and refuse_rollback:
+        raise click.UsageError("--allow-rollback and --refuse-rollback contradict each other; pick one")
+    if trusted_keys and no_verify:
+        raise click.UsageError("--no-verify skips the sha256 checks a signature relies on; drop it or --trusted-key")
+    manifest = _preflight(artifact, record, trusted_keys)
 
+    from ..serve.codec import body_limit
     from ..serve.config import ServeConfig
     from ..serve.server import run
 
     config = ServeConfig(
         artifact=str(artifact),
-        max_body_bytes=max_body_bytes,
+        max_body_bytes=max_body_bytes or body_limit(manifest),
         allow_reload=allow_reload,
+        reload_root=str(reload_root) if reload_root is not None else None,
         allow_rollback=allow_rollback,
         watch=watch,
         watch_interval=watch_interval,
         record=record,
         record_interval=record_interval,
         verify=not no_verify,
+        trusted_keys=tuple(str(k) for k in trusted_keys),
+        min_version=min_version,
+        refuse_rollback=refuse_rollback,
     )
     run(config, host=host, port=port, workers=workers, log_level=log_level)
 
@@ -89,19 +112,22 @@ def _missing(module: str) -> bool:
     return False
 
 
-def _preflight(artifact: Path, record: str | None) -> None:
+def _preflight(artifact: Path, record: str | None, trusted_keys: tuple[Path, ...]) -> Manifest:
     """Refuse at once what would only fail later in the background: no artifact, one for another host,
-    an unreadable traffic file."""
-    from loader.artifact import read_manifest
+    a key that is not one, an unreadable traffic file. Returns the artifact's manifest."""
     from loader.host import check_compatible
-    from loader.live import resolve_pointer
+    from loader.live import read_served_manifest
     from loader.traffic import expand_path, read_histogram
+    from loader.trust import public_keys
 
-    manifest = read_manifest(resolve_pointer(artifact))
+    manifest = read_served_manifest(artifact)
     check_compatible(manifest, manifest.target.device)
+    if trusted_keys:
+        public_keys(trusted_keys)
     if record:
         path = expand_path(record)
         if not path.parent.is_dir():
             raise click.ClickException(f"--record {record}: folder {path.parent} does not exist")
         if path.exists():
             read_histogram(path)  # it will be added to: it must be a traffic file
+    return manifest

@@ -1,7 +1,9 @@
 """``precompile serve``: an HTTP service on the loader (FastAPI under uvicorn, the ``serve`` extra).
 
     config.py   ServeConfig: what one server process needs to know
-    codec.py    JSON request bodies to tensors, outputs back to JSON
+    codec.py    JSON request bodies to tensors, outputs back to JSON; the request schema and body limit
+    limits.py   the body size limit, in front of every endpoint
+    reload.py   what POST /v1/reload may ask for and which paths it may load
     metrics.py  the Prometheus metrics and their registry
     app.py      create_app(): the endpoints, model loading and warm-up, hot swap, traffic recording
     server.py   run(): uvicorn, one process or several workers

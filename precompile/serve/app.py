@@ -5,9 +5,9 @@
     GET  /readyz       200 once the artifact is loaded and warmed up, 503 before (or after a failed load)
     GET  /metrics      Prometheus text format (see metrics.py)
     GET  /v1/artifact  the manifest summary of what is serving, and the last swap attempt
-    POST /v1/reload    {"path": ..., "allow_rollback": false}: swap to another version (--allow-reload)
+    POST /v1/reload    {"path": ...}: swap to another version (--allow-reload; see reload.py)
 
-The artifact is loaded and warmed up on a background thread at start-up, so /healthz answers at once
+Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py). The artifact is loaded and warmed up on a background thread at start-up, so /healthz answers at once
 and /readyz turns 200 when the first request would meet warm code. Predictions run on the server's
 thread pool; each runs through ``Live.call_detailed``, so its outputs, variant and
 reported version always belong together, even while a swap happens (``Live.call_detailed``).
@@ -15,7 +15,6 @@ reported version always belong together, even while a swap happens (``Live.call_
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -23,16 +22,19 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from loader import GuardError, Live, LoaderError, TrafficRecorder
-from loader.live import Serving, SwapAttempt
+from loader.live import Serving, SwapAttempt, read_served_manifest
 
-from .codec import BodyError, dumps, parse_body, to_json, to_tensors
+from .codec import MIN_BODY_BYTES, BodyError, body_limit, dumps, parse_body, request_schema, to_json, to_tensors
 from .config import ServeConfig
+from .limits import BodyLimit
 from .metrics import Metrics, guard_reason, shape_bucket
+from .reload import ReloadRefused, ReloadRequest, parse_reload_request, reload_target
 
 log = logging.getLogger("precompile.serve")
 
@@ -42,7 +44,8 @@ class Service:
 
     def __init__(self, config: ServeConfig, live: Live | None = None):
         self.config = config
-        self.live = live if live is not None else Live(allow_rollback=config.allow_rollback, verify=config.verify)
+        self.live = live if live is not None else Live(allow_rollback=config.allow_rollback, **config.load_options())
+        self.max_body_bytes = config.max_body_bytes or self._default_body_limit()
         self.metrics = Metrics(self.describe_serving)
         self.live.on_attempt(self._count_attempt)
         self.recorder: TrafficRecorder | None = None
@@ -78,6 +81,14 @@ class Service:
             log.info("serving %s version %s from %s", self.live.serving.name, attempt.version, attempt.path)
         else:
             log.error("could not load %s: %s", attempt.requested, attempt.error)
+
+    def _default_body_limit(self) -> int:
+        serving = self.live.current
+        try:
+            manifest = serving.model.manifest if serving is not None else read_served_manifest(self.config.artifact)
+        except LoaderError:
+            return MIN_BODY_BYTES  # the load will fail and say why; nothing will be served meanwhile
+        return body_limit(manifest)
 
     def describe_serving(self) -> dict | None:
         serving = self.live.current
@@ -125,10 +136,11 @@ class Service:
             body["reason"] = reason
         return JSONResponse(body, status_code=code)
 
-    def too_large(self) -> JSONResponse:
-        return self._error(
-            413, f"the body is larger than the {self.config.max_body_bytes} bytes this server accepts", "too_large"
-        )
+    def too_large(self, path: str) -> JSONResponse:
+        detail = f"the body is larger than the {self.max_body_bytes} bytes this server accepts (--max-body-bytes)"
+        if path == "/predict":
+            return self._error(413, detail, "too_large")
+        return JSONResponse({"detail": detail}, status_code=413)
 
     # --- artifact and reload -------------------------------------------------------------------
 
@@ -152,10 +164,15 @@ class Service:
             "last_attempt": self.live.last_attempt.describe() if self.live.last_attempt else None,
         }
 
-    def reload(self, path: str | None, allow_rollback: bool | None) -> JSONResponse:
+    def reload(self, path: str | None) -> JSONResponse:
+        """Swap to ``path`` (None: the served path again) if this server may load it; rollbacks only
+        with --allow-rollback, whatever the request says."""
         before = self.describe_serving()
         try:
-            new: Serving = self.live.swap(path if path is not None else self.config.artifact, allow_rollback=allow_rollback)
+            target = reload_target(path, served=self.config.artifact, root=self.config.reload_root)
+            new: Serving = self.live.swap(target)
+        except ReloadRefused as e:
+            return JSONResponse({"detail": str(e), "serving": before}, status_code=403)
         except LoaderError as e:
             return JSONResponse({"detail": str(e), "serving": before}, status_code=422)
         return JSONResponse({"serving": new.describe(), "previous": before})
@@ -176,20 +193,12 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
 
     app = FastAPI(title="precompile serve", lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(BodyLimit, limit=service.max_body_bytes, refuse=lambda scope: service.too_large(scope["path"]))
 
-    @app.post("/predict")
+    @app.post("/predict", openapi_extra=_json_body("PredictRequest"), responses=_ERRORS)
     async def predict(request: Request) -> Response:
         """Run the model: {"inputs": {name: nested list}} -> {"outputs": ..., "artifact": ..., "variant": ...}."""
-        limit = config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return service.too_large()
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                return service.too_large()
-        return await run_in_threadpool(service.predict, bytes(body))
+        return await run_in_threadpool(service.predict, await request.body())
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -220,18 +229,32 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
         except LoaderError as e:
             return JSONResponse({"detail": str(e)}, status_code=503)
 
-    @app.post("/v1/reload")
+    @app.post("/v1/reload", openapi_extra=_json_body("ReloadRequest", required=False), responses=_ERRORS)
     async def reload(request: Request) -> JSONResponse:
-        """Swap to another artifact version: {"path": "...", "allow_rollback": false}; no path: the served path again."""
+        """Swap to another artifact version: {"path": "..."}; no body: the served path again."""
         if not config.allow_reload:
             return JSONResponse({"detail": "reload is off: start the server with --allow-reload"}, status_code=403)
-        raw = await request.body()
         try:
-            path, allow_rollback = _reload_request(raw)
+            path = parse_reload_request(await request.body())
         except BodyError as e:
             return JSONResponse({"detail": str(e)}, status_code=422)
-        return await run_in_threadpool(service.reload, path, allow_rollback)
+        return await run_in_threadpool(service.reload, path)
 
+    def openapi() -> dict[str, Any]:
+        """The schema, with /predict's request body generated from the served manifest once one is
+        loaded (before that, any predict request)."""
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        serving = service.live.current
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas["PredictRequest"] = request_schema(serving.model.manifest if serving is not None else None)
+        schemas["ReloadRequest"] = ReloadRequest.model_json_schema()
+        if serving is not None:  # a swap keeps the inputs, so the schema holds from now on
+            app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
@@ -241,21 +264,23 @@ def app_from_env() -> FastAPI:
     return create_app(ServeConfig.from_env())
 
 
-def _reload_request(raw: bytes) -> tuple[str | None, bool | None]:
-    if not raw.strip():
-        return None, None
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise BodyError(f"the body is not valid JSON ({e})") from None
-    if not isinstance(data, dict) or not set(data) <= {"path", "allow_rollback"}:
-        raise BodyError('expected {"path": "<artifact folder or pointer>", "allow_rollback": false}')
-    path, allow_rollback = data.get("path"), data.get("allow_rollback")
-    if path is not None and (not isinstance(path, str) or not path):
-        raise BodyError('"path" must be a non-empty string')
-    if allow_rollback is not None and not isinstance(allow_rollback, bool):
-        raise BodyError('"allow_rollback" must be true or false')
-    return path, allow_rollback
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": text}
+    for code, text in {
+        403: "refused by the server's configuration",
+        413: "the body is larger than --max-body-bytes",
+        422: "a malformed request, or inputs the model refuses (detail and reason say why)",
+        500: "an internal failure; the server serves on",
+        503: "no artifact loaded yet",
+    }.items()
+}
+
+
+def _json_body(schema: str, *, required: bool = True) -> dict[str, Any]:
+    """A route's request body in the OpenAPI schema; the route reads the raw body itself (strict
+    conversion, and the body limit counts bytes before anything is parsed)."""
+    ref = {"$ref": f"#/components/schemas/{schema}"}
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": ref}}}}
 
 
 def _dims(model, inputs: dict[str, Any]) -> dict[str, int]:

@@ -12,15 +12,29 @@ ENV_VAR = "PRECOMPILE_SERVE_CONFIG"
 
 @dataclass(frozen=True)
 class ServeConfig:
-    artifact: str  # an artifact folder, or a link / pointer file that designates one
-    max_body_bytes: int = 8 * 1024 * 1024  # larger /predict bodies get 413
-    allow_reload: bool = False  # POST /v1/reload (an admin endpoint: it loads any path on the host)
-    allow_rollback: bool = False  # let a reload or the watcher go to an older version
+    artifact: str  # an artifact folder or pack, or a link / pointer file that designates one
+    max_body_bytes: int | None = None  # larger bodies get 413 on every endpoint; None: sized from the manifest
+    allow_reload: bool = False  # POST /v1/reload (an admin endpoint)
+    reload_root: str | None = None  # reload may load artifacts under this folder only; None: the served path only
+    allow_rollback: bool = False  # let a reload or the watcher go to an older version (the server decides, never a request)
     watch: bool = False  # follow ``artifact`` (a link or pointer file) as deploys replace it
     watch_interval: float = 2.0
     record: str | None = None  # write the shape histogram here ({pid}: this process's id)
     record_interval: float = 60.0
     verify: bool = True  # check every file's sha256 at load (and at every swap)
+    # loader.load's trust policy, for the first load, every reload and every version --watch sees
+    trusted_keys: tuple[str, ...] = ()  # public key files; non-empty: only artifacts signed by one of them
+    min_version: int | None = None
+    refuse_rollback: bool = False  # loader.load(refuse_rollback=True): the host's ledger refuses older versions
+
+    def load_options(self) -> dict:
+        """The keyword arguments ``loader.load`` gets for every version this server loads."""
+        return {
+            "verify": self.verify,
+            "trusted_keys": list(self.trusted_keys) or None,
+            "min_version": self.min_version,
+            "refuse_rollback": self.refuse_rollback,
+        }
 
     def to_env(self) -> dict[str, str]:
         return {ENV_VAR: json.dumps(asdict(self))}
@@ -30,4 +44,6 @@ class ServeConfig:
         raw = os.environ.get(ENV_VAR)
         if raw is None:
             raise RuntimeError(f"{ENV_VAR} is not set: start workers through `precompile serve`")
-        return cls(**json.loads(raw))
+        data = json.loads(raw)
+        data["trusted_keys"] = tuple(data.get("trusted_keys", ()))
+        return cls(**data)

@@ -116,3 +116,25 @@ class Tagger(nn.Module):
 def tagger() -> nn.Module:
     torch.manual_seed(2)
     return Tagger()
+
+
+class Scores(nn.Module):
+    """Attention scores ``[batch, seq, seq]`` (q·kᵀ of token embeddings, no softmax): padding seq adds
+    rows and columns and leaves the real ones unchanged, so pad is exact once both seq axes are cut
+    back; splitting seq would lose every score across pieces; splitting batch is exact."""
+
+    def __init__(self, vocab: int = 50, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.q(x) @ self.k(x).transpose(1, 2)
+
+
+def scores() -> nn.Module:
+    torch.manual_seed(3)
+    return Scores()
+

@@ -1,0 +1,67 @@
+"""A limit on the size of every request body, as ASGI middleware in front of every endpoint.
+
+A declared ``Content-Length`` over the limit is refused before any of the body is read; a body sent
+without one (chunked) is counted while the endpoint reads it and refused as soon as it passes the
+limit, so no endpoint ever holds more than the limit in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """``BodyLimit(app, limit=N, refuse=...)``: ``refuse(scope)`` makes the 413 response (an ASGI app)
+    for a request whose body is larger than ``limit`` bytes."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, refuse: Callable[[Scope], ASGIApp]):
+        self.app = app
+        self.limit = limit
+        self.refuse = refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.limit:
+            await self.refuse(scope)(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counting_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self.refuse(scope)(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None  # the server refuses malformed ones
+    return None
