@@ -10,10 +10,13 @@ Methods:
                         shapes), every bucket compiled before traffic
     precompile-dynamic  loader.load() of the artifact built with a dynamic-only plan
     precompile-planned  loader.load() of the artifact built with the profile's plan
+    onnxruntime         ONNX Runtime on the ONNX file written at prepare time (``bench.peers``)
+    openvino            OpenVINO on the same file, its default precision
+    openvino-f32        OpenVINO with the f32 precision hint
 
 The process sets up, runs the warm-up requests and says ``{"ready": ...}`` on stdout; then, for each
 ``{"run": [i, j]}`` line on stdin, it serves requests i..j-1 of the stream and answers ``{"done": j}``;
-``{"finish": true}`` writes OUT.json (latencies, setup time, RSS, error against eager's references)
+``{"finish": true}`` writes OUT.json (latencies, setup time, RSS, errors against eager's references)
 and exits. The parent interleaves the methods chunk by chunk, so a noisy neighbour hits them alike.
 Inputs are made outside the timed region. Anything else written to stdout goes to stderr.
 """
@@ -27,7 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-METHODS = ("eager", "compile", "buckets-eager", "buckets-compile", "precompile-dynamic", "precompile-planned")
+from bench.peers import METHODS as PEERS
+
+METHODS = ("eager", "compile", "buckets-eager", "buckets-compile", "precompile-dynamic", "precompile-planned", *PEERS)
 
 Serve = Callable[[tuple, dict], Any]
 
@@ -53,8 +58,11 @@ def setup(method: str, spec: dict, profile) -> tuple[Serve, dict]:
     import torch
 
     from bench.child_cold import build_module
+    from bench.peers import serve_torch
     from bench.workload import all_buckets, bucket_for, cut, inputs_for, pad
 
+    if method in PEERS:
+        return serve_torch(method, spec)
     if method.startswith("precompile-"):
         import loader
 
@@ -97,7 +105,7 @@ def main(argv: list[str]) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from bench.workload import inputs_for, read_profile, relative_error
+    from bench.workload import abs_error, inputs_for, read_profile, relative_error
 
     profile = read_profile(Path(spec["profile"]))
     references = load_file(spec["references"])
@@ -105,6 +113,7 @@ def main(argv: list[str]) -> None:
     base = memory_mb()["rss_mb"]
     latencies: list[float] = []
     errors: list[float] = []
+    abs_errors: list[float] = []
     with torch.inference_mode():
         start = time.perf_counter()
         serve, facts = setup(method, spec, profile)
@@ -129,6 +138,7 @@ def main(argv: list[str]) -> None:
                 latencies.append(round((time.perf_counter() - t) * 1000, 4))
                 if f"ref/{i}" in references:
                     errors.append(relative_error(out, references[f"ref/{i}"]))
+                    abs_errors.append(abs_error(out, references[f"ref/{i}"]))
             protocol.write(json.dumps({"done": last}) + "\n")
     result = {
         "method": method,
@@ -138,8 +148,9 @@ def main(argv: list[str]) -> None:
         "rss_base_mb": base,
         **memory_mb(),
         "max_error": max(errors) if errors else None,
+        "max_abs_error": max(abs_errors) if abs_errors else None,
         "threads": torch.get_num_threads(),
-        **facts,
+        **facts,  # a peer's own thread count replaces torch's
     }
     if model is not None:
         result["calls_per_variant"] = {v: s["calls"] for v, s in model.stats()["variants"].items()}

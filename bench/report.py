@@ -14,10 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .peers import LABELS, METHODS as PEERS, TOLERANCE
 from .steady import CHUNK
 
 COLD_CHART = "coldstart.png"
 STEADY_CHART = "steady.png"
+# Cold-start bar colours by the method label's start; the steady chart uses the same per engine.
+COLD_COLORS = (("precompile", "tab:green"), ("eager", "tab:gray"), ("torch.compile", "tab:orange"), ("ONNX", "tab:blue"), ("OpenVINO", "tab:purple"))
 
 
 def write_all(results: dict[str, Any], out: Path) -> list[Path]:
@@ -42,6 +45,26 @@ def _err(e: float | None) -> str:
     return "–" if e is None else f"{e:.0e}"
 
 
+def ran(methods: dict[str, Any]) -> dict[str, Any]:
+    """The methods that produced numbers (a peer whose ONNX export or start failed holds ``failed``)."""
+    return {m: r for m, r in methods.items() if "failed" not in r}
+
+
+def label(method: str, r: dict[str, Any]) -> str:
+    """A steady-state method as the prose names it; a peer with its engine's precision when not f32."""
+    name = LABELS.get(method, method)
+    return f"{name} ({r['precision']})" if r.get("precision") not in (None, "f32") else name
+
+
+def weighted_mean(requests: list[dict[str, int]], latency: list[float]) -> float:
+    """Per request shape the median ms, weighted by how often the traffic sends that shape: the mean
+    a server of this traffic sees, without one slow outlier weighing on it."""
+    by_shape: dict[tuple, list[float]] = {}
+    for sizes, ms in zip(requests, latency):
+        by_shape.setdefault(tuple(sorted(sizes.items())), []).append(ms)
+    return sum(len(v) * statistics.median(v) for v in by_shape.values()) / len(latency)
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     s = results["sizes"]
@@ -51,7 +74,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['memory_gb']} GB, "
         f"{m['platform']}, CPU capability {m['cpu_capability']}. "
-        f"torch {v['torch']}, transformers {v.get('transformers', '–')}, Python {v['python']}. Run {m['date']}, "
+        f"torch {v['torch']}, transformers {v.get('transformers', '–')}, onnxruntime {v.get('onnxruntime', '–')}, "
+        f"openvino {v.get('openvino', '–')}, Python {v['python']}. Run {m['date']}, "
         f"{results['seconds'] / 60:.1f} minutes in all.",
         "",
         f"Produced by `{results.get('command', 'python -m bench')}`: "
@@ -67,6 +91,19 @@ def markdown(results: dict[str, Any]) -> str:
         "Hand bucketing pads to the buckets listed per model, eager or with one static-shape torch.compile "
         "graph per bucket compiled before traffic.",
         "",
+        "The peers: each model is exported once, before any timing, by `torch.onnx.export(model, args, "
+        "dynamo=True, dynamic_shapes=...)` with one dynamic dim per profile dim (the ONNX inputs carry the "
+        "profile's dim names), as our build happens before its cold start. ONNX Runtime runs that file on its CPU "
+        "execution provider with every graph optimization (ORT_ENABLE_ALL) and as many intra-op threads as "
+        "torch uses; OpenVINO reads the same file (`Core.read_model`, then `compile_model(model, \"CPU\", "
+        "config)`) once with its defaults (its own precision, bf16 on a CPU with AMX or AVX-512 BF16, and "
+        "its own thread count) and once with `INFERENCE_PRECISION_HINT: f32`. Their cold start is the "
+        "interpreter, the engine's import, reading the inputs, reading and optimizing (ORT) or converting "
+        "and compiling (OpenVINO) the ONNX file, and the first call; torch is not imported before the first "
+        f"result. A bf16 result is called correct within {TOLERANCE['bf16']:g} of eager relative to the output's "
+        f"scale, f32 within {TOLERANCE['f32']:g}. Error columns: max |out − eager| on the first requests of the "
+        "stream (abs) and the same over max |eager| (rel.).",
+        "",
         f"![cold start]({COLD_CHART})",
         "",
         f"![steady state]({STEADY_CHART})",
@@ -74,8 +111,10 @@ def markdown(results: dict[str, Any]) -> str:
         "## Summary",
         "",
         "| model | cold: precompile | cold: eager | cold: torch.compile (cold / warm / Mega-Cache) | "
-        "p50: eager | p50: torch.compile | p50: buckets+compile | p50: precompile planned |",
-        "|---|---|---|---|---|---|---|---|",
+        f"cold: {' / '.join(LABELS[p] for p in PEERS)} | "
+        "p50: eager | p50: torch.compile | p50: buckets+compile | p50: precompile planned | "
+        f"p50: {' / '.join(LABELS[p] for p in PEERS)} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, case in results["cases"].items():
         c, st = case["cold_start"], case["steady"]
@@ -83,9 +122,14 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {name} | {c['precompile']['median']:.2f} s | {c['eager']['median']:.2f} s | "
             f"{c['torch.compile cold']['median']:.1f} / {c['torch.compile warm cache']['median']:.1f} / "
             f"{c['torch.compile Mega-Cache']['median']:.1f} s | "
+            + " / ".join(_figure(c.get(LABELS[p]), "median", "{:.2f}") for p in PEERS) + " s | "
             f"{st['eager']['p50_ms']:.2f} ms | {st['compile']['p50_ms']:.2f} ms | "
-            f"{st['buckets-compile']['p50_ms']:.2f} ms | {st['precompile-planned']['p50_ms']:.2f} ms |"
+            f"{st['buckets-compile']['p50_ms']:.2f} ms | {st['precompile-planned']['p50_ms']:.2f} ms | "
+            + " / ".join(_figure(st.get(p), "p50_ms", "{:.2f}") for p in PEERS) + " ms |"
         )
+    lines += ["", "## Where we win and where we lose", ""]
+    for name, case in results["cases"].items():
+        lines += _peers_section(name, case) + [""]
     lines += ["", "## What the numbers say (computed from this run)", ""]
     for name, case in results["cases"].items():
         lines += [f"**{name}**", ""] + [f"- {f}" for f in findings(case)] + [""]
@@ -98,9 +142,73 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _figure(r: dict[str, Any] | None, key: str, form: str) -> str:
+    """One number of a method's results; "failed" or "–" where it has none."""
+    if r is None:
+        return "–"
+    return "failed" if "failed" in r else form.format(r[key])
+
+
+def versus(model: str, ours: float, theirs: float, peer: str) -> str:
+    """One sentence: which of precompile and ``peer`` is faster on ``model``, and by how much."""
+    if theirs < ours:
+        return f"{peer} is {ours / theirs:.2f}× faster than precompile on {model}"
+    return f"precompile is {theirs / ours:.2f}× faster than {peer} on {model}"
+
+
+def peer_sentences(name: str, case: dict[str, Any]) -> list[str]:
+    """Per peer, who wins on the traffic-weighted mean, with the p50 beside it; or why it did not run."""
+    st = case["steady"]
+    ours = st["precompile-planned"]
+    ours_mean = weighted_mean(case["requests"], ours["latency_ms"])
+    out = []
+    for method in PEERS:
+        r = st.get(method)
+        if r is None:
+            continue
+        if "failed" in r:
+            out.append(f"{LABELS[method]} did not run on {name}: {r['failed']}")
+            continue
+        mean = weighted_mean(case["requests"], r["latency_ms"])
+        out.append(
+            versus(name, ours_mean, mean, label(method, r))
+            + f" (traffic-weighted mean {mean:.2f} ms against our {ours_mean:.2f}; p50 {r['p50_ms']:.2f} against "
+            f"{ours['p50_ms']:.2f} ms; max abs error vs eager {_err(r['max_abs_error'])} against our {_err(ours['max_abs_error'])})"
+        )
+    return out
+
+
+def _speed(ours: float, theirs: float) -> str:
+    return "–" if theirs == ours else f"{ours / theirs:.2f}× faster" if theirs < ours else f"{theirs / ours:.2f}× slower"
+
+
+def _peers_section(name: str, case: dict[str, Any]) -> list[str]:
+    """Every steady-state method against the planned artifact, and a sentence per peer."""
+    st = case["steady"]
+    ours_mean = weighted_mean(case["requests"], st["precompile-planned"]["latency_ms"])
+    sentences = [f"- {s}." for s in peer_sentences(name, case)]
+    lines = [
+        f"**{name}**",
+        "",
+        *([*sentences, ""] if sentences else []),
+        "| method | p50 ms | traffic-weighted mean ms | vs precompile planned (weighted mean) | max abs error vs eager | rel. error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method, r in st.items():
+        if "failed" in r:
+            lines.append(_failed_row(LABELS.get(method, method), r, 6))
+            continue
+        mean = weighted_mean(case["requests"], r["latency_ms"])
+        lines.append(
+            f"| {label(method, r)} | {r['p50_ms']:.2f} | {mean:.2f} | {_speed(ours_mean, mean)} | "
+            f"{_err(r.get('max_abs_error'))} | {_err(r['max_error'])} |"
+        )
+    return lines
+
+
 def findings(case: dict[str, Any]) -> list[str]:
     """Plain statements of where the artifact wins and where it loses, each from the tables below."""
-    cold, st = case["cold_start"], case["steady"]
+    cold, st = case["cold_start"], ran(case["steady"])
     ours = cold["precompile"]["median"]
     floor = cold["import torch"]["median"]
     out = [
@@ -163,17 +271,29 @@ def _cold_table(case: dict[str, Any]) -> list[str]:
         "| method | median | min–max | over `import torch` | torch imported | model ready | correct (error) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for label, r in cold.items():
+    for method, r in cold.items():
+        if "failed" in r:
+            lines.append(_failed_row(method, r, 7))
+            continue
         marks = r["marks"]
-        ready = marks.get("model ready")
-        over = "floor" if label == "import torch" else f"+{r['median'] - floor:.2f}"
-        ready_text = "–" if ready is None else f"{ready:.2f}"
+        over = "floor" if method == "import torch" else f"{r['median'] - floor:+.2f}"
         correct = "yes" if r["correct"] else "NO"
+        precision = "" if r.get("precision", "f32") == "f32" else f", {r['precision']}"
         lines.append(
-            f"| {label} | {r['median']:.2f} | {r['min']:.2f}–{r['max']:.2f} | {over} | "
-            f"{marks['import torch']:.2f} | {ready_text} | {correct} ({_err(r['max_error'])}) |"
+            f"| {method} | {r['median']:.2f} | {r['min']:.2f}–{r['max']:.2f} | {over} | "
+            f"{_mark(marks, 'import torch')} | {_mark(marks, 'model ready')} | {correct} ({_err(r['max_error'])}{precision}) |"
         )
     return lines
+
+
+def _failed_row(method: str, r: dict[str, Any], columns: int) -> str:
+    """A table row for a method that did not run: its name, then why, across the other columns."""
+    return f"| {method} | failed: {r['failed']} |" + " |" * (columns - 2)
+
+
+def _mark(marks: dict[str, float], name: str) -> str:
+    """A mark's seconds, or – where the method has no such step (a peer never imports torch)."""
+    return f"{marks[name]:.2f}" if name in marks else "–"
 
 
 def _steady_table(case: dict[str, Any]) -> list[str]:
@@ -185,15 +305,20 @@ def _steady_table(case: dict[str, Any]) -> list[str]:
         "",
         f"Milliseconds per request. Hand buckets: {buckets} ({exact}). Ready: seconds from the start of "
         "setup (load or compile) to the end of warm-up. Peak RSS includes any compilation in the process. "
-        "Error: max |out − eager| / max |eager| on the first requests.",
+        "Weighted mean: per shape the median, weighted by how often the stream sends it. "
+        "Errors against eager on the first requests: max |out − eager| (abs) and that over max |eager| (rel.).",
         "",
-        "| method | p50 ms | p99 ms | max ms | mean ms | req/s | peak RSS MB | ready s | error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | p50 ms | p99 ms | max ms | mean ms | weighted mean ms | req/s | peak RSS MB | ready s | abs error | rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, r in case["steady"].items():
+        if "failed" in r:
+            lines.append(_failed_row(method, r, 11))
+            continue
         lines.append(
-            f"| {method} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {max(r['latency_ms']):.0f} | {r['mean_ms']:.2f} | {r['requests_per_s']:.1f} | "
-            f"{r['peak_rss_mb']:.0f} | {r['ready_s']:.1f} | {_err(r['max_error'])} |"
+            f"| {method} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {max(r['latency_ms']):.0f} | {r['mean_ms']:.2f} | "
+            f"{weighted_mean(case['requests'], r['latency_ms']):.2f} | {r['requests_per_s']:.1f} | "
+            f"{r['peak_rss_mb']:.0f} | {r['ready_s']:.1f} | {_err(r.get('max_abs_error'))} | {_err(r['max_error'])} |"
         )
     planned = case["steady"]["precompile-planned"].get("calls_per_variant")
     if planned:
@@ -223,6 +348,10 @@ def _build_table(case: dict[str, Any]) -> list[str]:
     for name, b in case["builds"].items():
         variants = ", ".join(f"{v['id']} {v['compile_s']:.0f}" for v in b["variants"])
         lines.append(f"| {name} | {variants} | {b['wall_s']:.0f} | {_mb(b['unpacked_bytes'])} | {_mb(b.get('packed_bytes'))} |")
+    onnx = case.get("onnx")
+    if onnx is not None:
+        done = f"failed: {onnx['failed']}" if "failed" in onnx else f"{_mb(onnx['bytes'])} MB, example sizes {onnx['example_sizes']}"
+        lines += ["", f"The peers' ONNX file (`torch.onnx.export`, dynamo=True): {onnx['seconds']:.0f} s, {done}."]
     return lines
 
 
@@ -244,11 +373,11 @@ def cold_chart(results: dict[str, Any], path: Path) -> Path:
     cases = results["cases"]
     fig, axes = plt.subplots(len(cases), 1, figsize=(9, 2.6 * len(cases) + 0.6), squeeze=False)
     for ax, (name, case) in zip(axes[:, 0], cases.items()):
-        cold = case["cold_start"]
+        cold = ran(case["cold_start"])
         labels = [k for k in cold if k != "import torch"]
         med = [cold[k]["median"] for k in labels]
         err = [[cold[k]["median"] - cold[k]["min"] for k in labels], [cold[k]["max"] - cold[k]["median"] for k in labels]]
-        colors = ["tab:green" if k == "precompile" else "tab:gray" if k == "eager" else "tab:orange" for k in labels]
+        colors = [next(c for start, c in COLD_COLORS if k.startswith(start)) for k in labels]
         ax.barh(labels, med, xerr=err, color=colors, capsize=3)
         floor = cold["import torch"]["median"]
         ax.axvline(floor, color="black", linestyle="--", linewidth=1)
@@ -295,9 +424,12 @@ def steady_chart(results: dict[str, Any], path: Path) -> Path:
         "buckets-compile": ("tab:orange", ":"),
         "precompile-dynamic": ("tab:green", "--"),
         "precompile-planned": ("tab:green", "-"),
+        "onnxruntime": ("tab:blue", "-"),
+        "openvino": ("tab:purple", ":"),
+        "openvino-f32": ("tab:purple", "-"),
     }
     for ax, (name, case) in zip(axes[0], cases.items()):
-        for method, r in case["steady"].items():
+        for method, r in ran(case["steady"]).items():
             points = by_work(case["work"], r["latency_ms"])
             color, style = styles.get(method, (None, "-"))
             ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", markersize=3, color=color, label=method)

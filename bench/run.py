@@ -1,12 +1,14 @@
-"""The whole benchmark for one model: build, cold start, loader overhead, steady state.
+"""The whole benchmark for one model: build, ONNX export, cold start, loader overhead, steady state.
 
 ``run_case`` works in a scratch folder: a copy of ``profiles/bench`` (so the profile's factory and
-traffic resolve) beside a derived profile with a dynamic-only plan, the two artifacts, the inputs and
-eager references the child processes compare with, and the Inductor caches of the cold starts.
+traffic resolve) beside a derived profile with a dynamic-only plan, the two artifacts, the ONNX file
+the peers serve, the inputs and eager references the child processes compare with, and the Inductor
+caches of the cold starts.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -27,6 +29,7 @@ from precompile.resolve import resolve_model
 
 from . import coldstart, steady
 from .cases import Case, Sizes
+from .onnx_export import export_onnx
 from .overhead import per_call_us
 from .workload import distribution, draw, inputs_for, read_profile, work
 
@@ -124,9 +127,14 @@ def run_case(case: Case, sizes: Sizes, work_dir: Path, log: Log) -> dict[str, An
     phase("build")
 
     model = resolve_model(load_profile(planned_profile)).requires_grad_(False)
+    log(f"[{case.name}] ONNX export for the peers (torch.onnx.export, dynamo=True)")
+    onnx = export_onnx(model, profile, work_dir / "model.onnx")
+    log(f"    {onnx['seconds']:.1f} s  " + (f"FAILED: {onnx['failed']}" if "failed" in onnx else f"{onnx['bytes'] / 2**20:.1f} MB"))
+    phase("onnx export")
+
     requests = draw(profile, planned_profile, sizes.requests, seed=1)
     warmup = corners(profile) + draw(profile, planned_profile, sizes.warmup, seed=2)
-    spec = write_spec(case, profile, model, folder, work_dir, builds, requests, warmup)
+    spec = write_spec(case, profile, model, folder, work_dir, builds, onnx, requests, warmup)
     phase("references")
 
     log(f"[{case.name}] cold start, {sizes.runs} run(s) per method")
@@ -149,6 +157,7 @@ def run_case(case: Case, sizes: Sizes, work_dir: Path, log: Log) -> dict[str, An
         "buckets": {d: list(b) for d, b in case.buckets.items()},
         "cold_shape": json.loads(spec.read_text())["cold_shape"],
         "builds": builds,
+        "onnx": onnx,
         "cold_start": cold,
         "overhead": overhead,
         "requests": requests,
@@ -171,7 +180,7 @@ def hottest(profile, path: Path) -> dict[str, int]:
     return dict(zip(profile.dims, key))
 
 
-def write_spec(case, profile, model, folder: Path, work_dir: Path, builds, requests, warmup) -> Path:
+def write_spec(case, profile, model, folder: Path, work_dir: Path, builds, onnx, requests, warmup) -> Path:
     """What the child processes need: how to build the module, inputs and eager references."""
     cold_shape = hottest(profile, folder / case.profile.name)
     args = inputs_for(profile, cold_shape, seed=0)
@@ -197,6 +206,8 @@ def write_spec(case, profile, model, folder: Path, work_dir: Path, builds, reque
         "cold_shape": cold_shape,
         "artifact": builds["planned"]["artifact"],
         "artifacts": {"precompile-planned": builds["planned"]["artifact"], "precompile-dynamic": builds["dynamic"]["artifact"]},
+        "onnx": onnx,  # its path, or why the export failed
+        "threads": torch.get_num_threads(),  # ONNX Runtime's intra-op threads: as many as torch's
         "profile": str(folder / case.profile.name),
         "references": str(work_dir / "references.safetensors"),
         "buckets": {d: list(b) for d, b in case.buckets.items()},
@@ -266,6 +277,11 @@ def describe_machine() -> dict[str, Any]:
         try:
             versions[name] = __import__(name).__version__
         except (ImportError, AttributeError):
+            pass
+    for name in ("onnxruntime", "openvino", "onnx", "onnxscript"):  # not imported: this process times torch
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             pass
     return {
         "cpu": cpu,

@@ -3,7 +3,8 @@ served chunk by chunk in turn (``bench.child_steady``).
 
 The processes are set up one after the other (so no setup competes with another), then each chunk of
 the stream goes to every method, the order rotating per chunk. A neighbour's burst of load lands on
-one chunk of one method, not on a whole method; the ratios between methods hold.
+one chunk of one method, not on a whole method; the ratios between methods hold. A peer (ONNX
+Runtime, OpenVINO) that has no ONNX file or cannot start is reported as failed, with the reason.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from .cases import ROOT
-from .coldstart import child_env
-
-METHODS = ("eager", "compile", "buckets-eager", "buckets-compile", "precompile-dynamic", "precompile-planned")
+from .child_steady import METHODS
+from .coldstart import ChildFailed, child_env, peer_failure, unrunnable_peers
 CHUNK = 25
 
 
@@ -46,8 +46,7 @@ class Server:
         if not line:
             self.proc.wait()
             self._stderr.close()
-            tail = self.stderr_path.read_text(encoding="utf-8", errors="replace")[-3000:]
-            raise RuntimeError(f"steady state {self.method} failed (exit {self.proc.returncode}):\n{tail}")
+            raise ChildFailed(f"steady state {self.method}", self.proc.returncode, self.stderr_path.read_text(encoding="utf-8", errors="replace"))
         return json.loads(line)
 
     def _send(self, command: dict[str, Any]) -> None:
@@ -77,22 +76,30 @@ class Server:
 
 
 def run(spec: Path, work: Path, cache_dir: Path, requests: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Every method over the same ``requests``-long stream; per method its latencies and summary."""
+    """Every method over the same ``requests``-long stream; per method its latencies and summary, or
+    for a peer that could not run, why."""
+    failed = unrunnable_peers(spec)
     servers: list[Server] = []
     try:
-        for method in METHODS:
+        for method in (m for m in METHODS if m not in failed):
             server = Server(method, spec, work, cache_dir)
+            ready = peer_failure(method, server.ready)
+            if isinstance(ready, ChildFailed):
+                failed[method] = ready.reason
+                log(f"    {method:<20} FAILED: {ready.reason}")
+                continue
+            log(f"    {method:<20} ready in {ready:6.1f} s")
             servers.append(server)
-            log(f"    {method:<20} ready in {server.ready():6.1f} s")
         chunks = [(i, min(i + CHUNK, requests)) for i in range(0, requests, CHUNK)]
         for k, (first, last) in enumerate(chunks):
             for server in servers[k % len(servers) :] + servers[: k % len(servers)]:
                 server.run(first, last)
-        results = {s.method: summarize(s.finish()) for s in servers}
+        ran = {s.method: summarize(s.finish()) for s in servers}
     finally:
         for s in servers:
             s.kill()
-    for method, r in results.items():
+    results = {m: {"failed": failed[m]} if m in failed else ran[m] for m in METHODS}
+    for method, r in ran.items():
         log(
             f"    {method:<20} p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  {r['requests_per_s']:7.1f} req/s  "
             f"peak RSS {r['peak_rss_mb']:6.0f} MB"

@@ -100,10 +100,14 @@ def cut(profile: Profile, output: Any, sizes: Shape) -> Any:
     return output[tuple(slice(0, sizes[a]) if isinstance(a, str) and a in sizes else slice(None) for a in axes)]
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want|: one number for "is this the same result", whatever the scale."""
+def abs_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want|, in the output's own units (inf when the shapes differ)."""
     got, want = got.detach().double(), want.detach().double()
     if got.shape != want.shape:
         return float("inf")
-    scale = want.abs().max().item() or 1.0
-    return (got - want).abs().max().item() / scale
+    return (got - want).abs().max().item()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|: one number for "is this the same result", whatever the scale."""
+    return abs_error(got, want) / (want.detach().abs().max().item() or 1.0)
