@@ -102,9 +102,12 @@ class Variant:
     device: str = "cpu"  # device type the code runs on
     dtype: str | None = None  # compute dtype floating inputs are cast to (None: as declared)
     constant_prefix: str = ""  # weights.safetensors stores constant c as constant_prefix + c
+    # The package carries its own constants (frozen, oneDNN-prepacked weights that have no storage
+    # safetensors could hold); ``constants`` is then empty and the runner is given none.
+    embedded_constants: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "id": self.id,
             "kind": self.kind,
             "file": self.file,
@@ -115,6 +118,9 @@ class Variant:
             "dtype": self.dtype,
             "constant_prefix": self.constant_prefix,
         }
+        if self.embedded_constants:  # only when set: artifacts without such variants stay readable by older loaders
+            out["embedded_constants"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -349,8 +355,8 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         v = r.obj(
             item,
             where,
-            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix"},
-            optional={"device", "dtype", "constant_prefix"},
+            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants"},
+            optional={"device", "dtype", "constant_prefix", "embedded_constants"},
         )
         vid = r.str(v["id"], f"{where}.id", VARIANT_ID_RE)
         kind = r.str(v["kind"], f"{where}.kind", choices=C.VARIANT_KINDS)
@@ -376,10 +382,13 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         device = r.str(v.get("device", "cpu"), f"{where}.device", choices=C.DEVICES)
         vdtype = None if v.get("dtype") is None else r.str(v["dtype"], f"{where}.dtype", choices=C.DTYPES)
         prefix = r.str(v.get("constant_prefix", ""), f"{where}.constant_prefix")
+        embedded = r.bool(v.get("embedded_constants", False), f"{where}.embedded_constants")
+        if embedded and consts:
+            raise r.fail(f"{where}.constants", "a variant with embedded_constants takes none from weights.safetensors")
         for c in consts:
             if prefix + c not in constants:
                 raise r.fail(f"{where}.constants", f"{prefix + c!r} is not declared in constants")
-        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix))
+        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded))
     if not variants:
         raise r.fail("variants", "the artifact has no variants")
     if len({v.id for v in variants}) != len(variants):

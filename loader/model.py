@@ -2,7 +2,8 @@
 
 Loading never compiles: each variant's shared library is opened through the C++ package loader
 (``torch._C._aoti.AOTIModelPackageLoader``), which does not import ``torch._inductor`` (about 1 s
-on a small host), and the weights are handed over as views of one memory map, shared by all variants.
+on a small host), and the weights (read privately from a folder, or mapped from a pack's read-only
+cache entry) are handed over as views, shared by all variants.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .manifest import Manifest, OutputSpec, Variant
 from .cuda import GraphedRunner, parse_device
 from .policy import Policies
 from .source import open_artifact
+from .threads import fit_threads
 from .weights import MappedWeights
 
 
@@ -280,6 +282,7 @@ def load(
     cache_dir: str | os.PathLike | None = None,
     state_dir: str | os.PathLike | None = None,
     copy_inputs: bool = False,
+    threads: int | None = None,
 ) -> CompiledModel:
     """Load an artifact built by ``precompile build``, from its folder or a pack (``precompile pack``),
     and return a callable model.
@@ -294,6 +297,10 @@ def load(
       host loaded before with ``refuse_rollback`` (recorded under ``state_dir``, default
       ``$PRECOMPILE_STATE`` or ``~/.local/state/precompile``). Expired artifacts are always refused.
     - ``copy_inputs`` moves inputs that live on another device to the model's, instead of refusing them.
+    - ``threads``: torch's CPU thread count for this process. By default torch's count is cut to the
+      CPUs the process really gets (affinity mask, cgroup CPU quota); a ThreadingWarning says when
+      the threading will still hurt (spin-waiting OpenMP threads on a shared host: set
+      OMP_WAIT_POLICY=PASSIVE before starting Python).
 
     Raises ArtifactError for a missing, unreadable or corrupt artifact, IncompatibleArtifactError when
     it was built for another host, and UntrustedArtifactError when it fails the trust policy; all of
@@ -303,6 +310,7 @@ def load(
     >>> logits = model(ids, mask)          # same arguments and result structure as forward()
     >>> model = load("text-classifier.tar.zst", trusted_keys=["release.pub"], refuse_rollback=True)
     """
+    fit_threads(threads)
     opened = open_artifact(
         path,
         device=device,
@@ -313,14 +321,15 @@ def load(
         cache_dir=cache_dir,
         state_dir=state_dir,
     )
-    root, manifest, device = opened.root, opened.manifest, opened.device
-    weights = MappedWeights(str(root / C.WEIGHTS_FILE))
-    _check_constants(manifest, weights)
-    runners, device_weights = _open_runners(root, manifest, weights, device)
-    model = CompiledModel(
-        root, manifest, weights, runners, device, device_weights=device_weights, copy_inputs=copy_inputs, digest=opened.digest
-    )
-    opened.loaded()
+    with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
+        root, manifest, device = opened.root, opened.manifest, opened.device
+        weights = opened.weights()
+        _check_constants(manifest, weights)
+        runners, device_weights = _open_runners(root, manifest, weights, device)
+        model = CompiledModel(
+            root, manifest, weights, runners, device, device_weights=device_weights, copy_inputs=copy_inputs, digest=opened.digest
+        )
+        opened.loaded()
     return model
 
 
@@ -345,6 +354,9 @@ def _open_runners(
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
             raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {_first_line(e)}") from None
+        if v.embedded_constants:  # the package holds its own (hashed with it); nothing to hand over
+            runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
+            continue
         if expected != set(v.constants):
             raise ArtifactError(
                 f"{root}: variant {v.id!r}: the compiled code needs constants {sorted(expected - set(v.constants))[:5]} "

@@ -102,9 +102,10 @@ def test_a_value_outside_the_range_is_422_over_http(classifier_artifact):
     from precompile.serve.app import create_app
     from precompile.serve.config import ServeConfig
 
-    from .test_serve import AppClient
+    from .test_serve import AppClient, readiness
 
     with AppClient(create_app(ServeConfig(str(classifier_artifact), max_body_bytes=64 * 1024))) as client:
+        assert readiness(client).status_code == 200  # the model loads in the background
         response = client.post("/predict", json={"inputs": {"ids": [[1, 2, -1]], "mask": [[True] * 3]}})
     assert response.status_code == 422
     assert response.json()["reason"] == "value_range"
@@ -241,14 +242,14 @@ def test_a_declared_range_past_the_table_is_a_profile_error_before_compiling(tmp
 
 def test_a_range_past_the_table_is_named_even_when_samples_stay_inside(tmp_path):
     """The samples need not hit the bad values: every variant's export is checked before its compile."""
-    from precompile.build import _compile_one
+    from precompile.build import CompileTask, _compile_one
     from precompile.plan import make_plan
     from precompile.profile import load_profile
     from precompile.resolve import resolve_model
 
     loaded = load_profile(write_profile(tmp_path, CLASSIFIER_PROFILE.replace("range: [0, 49]", "range: [-1, 49]")))
     with pytest.raises(ProfileError, match=r"inputs.ids.range: \[-1, 49\] goes past the embedding table of 50 rows"):
-        _compile_one(loaded, resolve_model(loaded), make_plan(loaded).variants[0], tmp_path, {})
+        _compile_one(loaded, resolve_model(loaded), CompileTask(make_plan(loaded).variants[0], 0, {}, "v.pt2"), tmp_path)
     assert not list(tmp_path.rglob("*.pt2"))
 
 
