@@ -16,7 +16,8 @@ import platform
 import shutil
 import statistics
 import time
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,12 @@ from .check import CheckReport, check_policies, check_policy_outputs, compare, f
 from .compile import CompiledPackage, compile_package
 from .errors import CompileError, ModelError, PrecompileError, ProfileError
 from .export import export_hints, export_model
-from .plan import Plan, VariantPlan, make_plan
+from .plan import Plan, VariantPlan, make_plan, read_distribution
 from .profile import LoadedProfile, Profile, load_profile
 from .progress import Progress
 from .resolve import resolve_model
 from .samples import check_shapes, make_inputs, to_device
+from .tune import Trial, describe, tune_variants
 from .values import (
     IndexTable,
     check_declared_ranges,
@@ -104,11 +106,25 @@ def build(
     staging = staging_folder(target)
     try:
         (staging / C.VARIANTS_DIR).mkdir()
-        packages, seconds, tables = compile_variants(loaded, model, variants, staging, jobs=jobs, progress=progress)
+        candidates = profile.compile.candidates()
+        budget = profile.compile.tune.max_seconds if profile.compile.tune is not None else None
+        compiled, tables, failed = compile_variants(
+            loaded, model, compile_tasks(variants, candidates), staging, jobs=jobs, progress=progress, max_seconds=budget
+        )
         loaded, notes = with_value_ranges(loaded, tables)
         profile = loaded.profile
         for level, text in notes:
             progress.note(f"[yellow]warning[/]: {text}" if level == "warning" else text)
+        trials: list[Trial] = []
+        if len(candidates) > 1:
+            with progress.stage("tune", f"{len(candidates)} option sets per variant, timed on its traffic"):
+                packages, trials = tune_variants(loaded, model, variants, compiled, failed, candidates, read_distribution(loaded))
+            for vp in variants:
+                progress.note(describe([t for t in trials if t.variant == vp.id]))
+        else:
+            packages = [compiled[(vp.id, 0)][:2] for vp in variants]
+        kept = {t.variant: t.candidate for t in trials if t.kept}
+        seconds = {vp.id: compiled[(vp.id, kept.get(vp.id, 0))][2] for vp in variants}
         with progress.stage("write", str(target)):
             manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda)
         with progress.stage("check", "compiled vs eager, every variant"):
@@ -142,6 +158,7 @@ def build(
                     "references": references,
                     "measure": measured,
                     "plan": plan.to_dict()["traffic"],
+                    **({"tuning": [t.to_dict() for t in trials]} if trials else {}),
                 },
                 version=version,
                 expires=expires,
@@ -214,56 +231,149 @@ def expand_targets(plan: Plan, devices: tuple[str, ...], profile: Profile) -> li
 # --- variants ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CompileTask:
+    """One package to compile: a variant under one candidate set of Inductor options."""
+
+    vp: VariantPlan
+    candidate: int
+    options: dict[str, Any]
+    file: str  # name inside the staging folder's variants/
+
+    def label(self, tuning: bool) -> str:
+        return f"{self.vp.id} {self.vp.describe()}" + (f" [candidate {self.candidate}]" if tuning else "")
+
+
+def compile_tasks(variants: list[VariantPlan], candidates: list[dict[str, Any]]) -> list[CompileTask]:
+    """Every variant under every candidate; every variant's first candidate comes first, so a time
+    budget that cuts the list short still leaves one package per variant."""
+    tuning = len(candidates) > 1
+    tasks = []
+    for k, options in enumerate(candidates):
+        for vp in variants:
+            name = f"{vp.id}.c{k}{C.VARIANT_SUFFIX}" if tuning else f"{vp.id}{C.VARIANT_SUFFIX}"
+            tasks.append(CompileTask(vp, k, {**DEFAULT_INDUCTOR_OPTIONS, **options}, name))
+    return tasks
+
+
+# Inductor options every build starts from (a profile's compile.inductor overrides them).
+DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {
+    # Parallel loops and reductions sized by the serving process's thread count (omp_get_max_threads)
+    # instead of the build host's: an artifact built on a 64-core runner and served on 2 cores
+    # (or the reverse) neither oversubscribes nor idles.
+    "cpp.dynamic_threads": True,
+}
+
+
 def compile_variants(
     loaded: LoadedProfile,
     model: torch.nn.Module,
-    variants: list[VariantPlan],
+    tasks: list[CompileTask],
     staging: Path,
     *,
     jobs: int | None,
     progress: Progress,
-) -> tuple[list[tuple[VariantPlan, CompiledPackage]], dict[str, float], dict[str, IndexTable]]:
-    """Export and compile every variant, ``jobs`` at a time, each in its own process; also return the
-    tables integer inputs index (from the exported graphs: precompile.values).
+    max_seconds: float | None = None,
+) -> tuple[dict[tuple[str, int], tuple[VariantPlan, CompiledPackage, float]], dict[str, IndexTable], dict[tuple[str, int], str]]:
+    """Export and compile every task, ``jobs`` at a time, each in its own process.
 
-    One failing variant fails the build with its error; the other results are discarded.
+    Returns the packages by (variant id, candidate), the tables integer inputs index (from the
+    exported graphs: precompile.values), and why each candidate that did not compile failed. A
+    variant's first candidate failing fails the build; a later one failing is only recorded, and
+    later candidates still pending after ``max_seconds`` are not compiled.
     """
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(variants)))
-    options = dict(loaded.profile.compile.inductor)
-    results: dict[str, tuple[VariantPlan, CompiledPackage, float, dict[str, IndexTable]]] = {}
-    if jobs == 1:
-        for vp in variants:
-            with progress.stage("variant", f"{vp.id} {vp.describe()}"):
-                results[vp.id] = _compile_one(loaded, model, vp, staging, options)
+    jobs = default_jobs(len(tasks)) if jobs is None else max(1, min(jobs, len(tasks)))
+    tuning = any(t.candidate for t in tasks)
+    results: dict[tuple[str, int], tuple[VariantPlan, CompiledPackage, float, dict[str, IndexTable]]] = {}
+    failed: dict[tuple[str, int], str] = {}
+    start = time.perf_counter()
+
+    def finished(task: CompileTask, result=None, error: BaseException | None = None) -> None:
+        if error is None:
+            results[(task.vp.id, task.candidate)] = result
+            progress.done("variant", task.label(tuning), result[2])
+            return
+        progress.failed("variant", task.label(tuning), 0.0)
+        if task.candidate == 0 or isinstance(error, ProfileError):
+            raise error
+        failed[(task.vp.id, task.candidate)] = f"{type(error).__name__}: {error}"[:2000]
+
+    if jobs == 1 and not tuning:
+        for task in tasks:
+            if task.candidate and max_seconds is not None and time.perf_counter() - start > max_seconds:
+                failed[(task.vp.id, task.candidate)] = f"not compiled: compile.tune.max_seconds ({max_seconds:g} s) reached"
+                continue
+            try:
+                result = _compile_one(loaded, model, task, staging)
+            except PrecompileError as e:
+                finished(task, error=e)
+            else:
+                finished(task, result)
     else:
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP state
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            futures = {pool.submit(_compile_in_worker, loaded.path, vp, staging, options): vp for vp in variants}
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+        threads = max(1, (os.cpu_count() or 1) // jobs)  # Inductor's own compile workers, per process
+        queue = list(tasks)
+        running: dict[Any, tuple[CompileTask, ProcessPoolExecutor]] = {}
+        try:
+            while queue or running:
+                while queue and len(running) < jobs:
+                    task = queue.pop(0)
+                    if task.candidate and max_seconds is not None and time.perf_counter() - start > max_seconds:
+                        failed[(task.vp.id, task.candidate)] = f"not compiled: compile.tune.max_seconds ({max_seconds:g} s) reached"
+                        continue
+                    # A fresh interpreter per package (spawn: no forked OpenMP state): Inductor registers
+                    # its freezing rewrites once per process, under the first compile's options.
+                    executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                    running[executor.submit(_compile_in_worker, loaded.path, task, staging, threads)] = (task, executor)
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
-                    vp = futures[future]
+                    task, executor = running.pop(future)
+                    executor.shutdown(wait=False)
                     error = future.exception()
-                    if error is not None:
-                        for other in pending:
-                            other.cancel()  # running ones finish; their output dies with the staging folder
-                        progress.failed("variant", f"{vp.id} {vp.describe()}", 0.0)
-                        raise error
-                    results[vp.id] = future.result()
-                    progress.done("variant", f"{vp.id} {vp.describe()}", results[vp.id][2])
-    packages = [(results[vp.id][0], results[vp.id][1]) for vp in variants]
+                    if isinstance(error, BrokenProcessPool):
+                        raise CompileError(worker_died(task, jobs)) from None
+                    finished(task, future.result() if error is None else None, error)
+        finally:
+            for future, (_, executor) in running.items():  # a failure: the others' output dies with the staging folder
+                future.cancel()
+                executor.shutdown(wait=False, cancel_futures=True)
     tables: dict[str, IndexTable] = {}
     for *_, found in results.values():
         for name, table in found.items():
             if name not in tables or table.rows < tables[name].rows:
                 tables[name] = table
-    return packages, {vp.id: results[vp.id][2] for vp in variants}, tables
+    return {key: r[:3] for key, r in results.items()}, tables, failed
+
+
+def default_jobs(tasks: int) -> int:
+    """Packages to compile at once: one per CPU this process gets, at most one per 3 GiB of available
+    memory (an export and an AOTInductor compile of a large model each take a few GiB), at least 1."""
+    from loader.threads import cpu_allowance
+
+    jobs = cpu_allowance().cpus
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        jobs = min(jobs, max(1, available // (3 << 30)))
+    except (ValueError, OSError, AttributeError):
+        pass
+    return max(1, min(jobs, tasks))
+
+
+def worker_died(task: CompileTask, jobs: int) -> str:
+    retry = f"retry with --jobs {jobs // 2}, and with --jobs 1" if jobs > 2 else "retry with --jobs 1"
+    return (
+        f"variant {task.vp.id} ({task.vp.describe()}): its compile worker process died without an error "
+        f"(killed by a signal: most often the out-of-memory killer, else a crash in torch or the compiler; "
+        f"any traceback it printed is above). {jobs} packages compiled at once: {retry} to see the failure "
+        "without other compiles beside it"
+    )
 
 
 def _compile_one(
-    loaded: LoadedProfile, model: torch.nn.Module, vp: VariantPlan, staging: Path, options: dict[str, Any]
+    loaded: LoadedProfile, model: torch.nn.Module, task: CompileTask, staging: Path
 ) -> tuple[VariantPlan, CompiledPackage, float, dict[str, IndexTable]]:
+    vp = task.vp
     start = time.perf_counter()
     hint = export_hints(vp.ranges, vp.hint)
     if vp.device != "cpu":  # a copy, so the CPU model stays the reference for the checks
@@ -275,8 +385,8 @@ def _compile_one(
         check_declared_ranges(loaded, tables)  # a range past a table is the profile's error: before compiling
         pkg = compile_package(
             ep,
-            staging / C.VARIANTS_DIR / f"{vp.id}{C.VARIANT_SUFFIX}",
-            options,
+            staging / C.VARIANTS_DIR / task.file,
+            task.options,
             device=vp.device,
             multi_arch=loaded.profile.cuda.multi_arch,
         )
@@ -288,10 +398,17 @@ def _compile_one(
 
 
 def _compile_in_worker(
-    profile_path: Path, vp: VariantPlan, staging: Path, options: dict[str, Any]
+    profile_path: Path, task: CompileTask, staging: Path, compile_threads: int
 ) -> tuple[VariantPlan, CompiledPackage, float, dict[str, IndexTable]]:
+    import faulthandler
+
+    import torch._inductor.config as inductor_config
+
+    faulthandler.enable()  # a worker killed by SIGSEGV/SIGABRT prints where it was
+    # jobs workers each with a pool of one process per core would be cores² processes.
+    inductor_config.compile_threads = compile_threads
     loaded = load_profile(profile_path)
-    return _compile_one(loaded, resolve_model(loaded), vp, staging, options)
+    return _compile_one(loaded, resolve_model(loaded), task, staging)
 
 
 # --- assembling the artifact ---------------------------------------------------------------------
@@ -338,11 +455,13 @@ def _assemble(
     constants: dict[str, torch.Tensor] = {}
     prefixes: dict[str, str] = {}
     for vp, pkg in packages:
-        # Variants share a stored tensor when theirs is identical; a CUDA variant in another dtype
-        # (or with differently laid-out constants) gets its own copies under a prefix.
-        prefix = ""
-        if any(n in constants and not _same(constants[n], t) for n, t in pkg.constants.items()):
-            prefix = f"{vp.device}.{vp.dtype or 'native'}/"
+        # Variants share a stored tensor when theirs is identical; a CUDA variant in another dtype, or
+        # one compiled with other options (frozen, differently laid-out constants), gets its own
+        # copies under a prefix.
+        def clashes(prefix: str) -> bool:
+            return any(prefix + n in constants and not _same(constants[prefix + n], t) for n, t in pkg.constants.items())
+
+        prefix = next(p for p in ("", f"{vp.device}.{vp.dtype or 'native'}/", f"{vp.id}/") if not clashes(p))
         for name, tensor in pkg.constants.items():
             seen = constants.get(prefix + name)
             if seen is None:
@@ -378,6 +497,7 @@ def _assemble(
                 device=vp.device,
                 dtype=vp.dtype,
                 constant_prefix=prefixes[vp.id],
+                embedded_constants=pkg.embedded,
             )
             for vp, pkg in packages
         ),

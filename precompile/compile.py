@@ -31,9 +31,20 @@ MANAGED_OPTIONS = {
 
 @dataclass
 class CompiledPackage:
-    path: Path  # an AOTInductor .pt2 without weights
+    path: Path  # an AOTInductor .pt2, without weights unless ``embedded``
     constants: dict[str, torch.Tensor]  # name -> contiguous tensor the compiled code expects
     metadata: dict[str, str]  # AOTInductor's own metadata (AOTI_CPU_ISA, AOTI_DEVICE_KEY, ...)
+    embedded: bool = False  # the constants stay inside the package (see ``embeds_constants``)
+
+
+def embeds_constants(options: dict[str, Any], device: str) -> bool:
+    """Whether a variant compiled with ``options`` must keep its constants inside its package.
+
+    On CPU, freezing with weight prepacking (Inductor's default once freezing is on) hands oneDNN
+    weights pre-packed into opaque tensors: they have no storage that safetensors could hold, and the
+    runner cannot take them back through load_constants. Such a variant carries its own weights.
+    """
+    return device == "cpu" and bool(options.get("freezing")) and options.get("cpp.weight_prepack", True) is not False
 
 
 def compile_package(
@@ -45,23 +56,30 @@ def compile_package(
     """
     import torch._inductor  # build side only
 
-    configs = {**options, **MANAGED_OPTIONS}
+    embedded = embeds_constants(options, device)
+    configs = {**options} if embedded else {**options, **MANAGED_OPTIONS}
     if device == "cuda" and multi_arch:
         configs["aot_inductor.emit_multi_arch_kernel"] = True
     raw = out.with_suffix(".full.pt2")
     try:
-        with warnings.catch_warnings():
+        # Gradients off: Inductor's freezing (constant folding, weight prepacking) only applies to
+        # graphs compiled without them; serving never needs them.
+        with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
     except Exception as e:  # Inductor and the C++ toolchain raise many types
         raise CompileError(f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
-    constants = _strip_weights(raw, out)
-    raw.unlink()
+    if embedded:
+        raw.replace(out)
+        constants = {}
+    else:
+        constants = _strip_weights(raw, out)
+        raw.unlink()
     runner = open_package(str(out), device_index=0 if device == "cuda" else None)
     missing = set(runner.get_constant_fqns()) - set(constants)
-    if missing:
+    if missing and not embedded:
         raise CompileError(f"the compiled code needs constants the package did not contain: {sorted(missing)}")
-    return CompiledPackage(out, constants, dict(runner.get_metadata()))
+    return CompiledPackage(out, constants, dict(runner.get_metadata()), embedded)
 
 
 def _strip_weights(src_path: Path, dst_path: Path) -> dict[str, torch.Tensor]:

@@ -81,10 +81,39 @@ class DimSpec(_Strict):
     )
 
 
+class TuneSpec(_Strict):
+    preset: Optional[str] = Field(default=None, description="a named list of candidates (README: Choosing compile options)")
+    candidates: list[dict[str, Any]] = Field(
+        default_factory=list, description="Inductor option sets to try, each merged over compile.inductor"
+    )
+    max_seconds: Optional[float] = Field(
+        default=None, gt=0, description="stop compiling further candidates after this long; the first candidate always compiles"
+    )
+
+
 class CompileSpec(_Strict):
     inductor: dict[str, Any] = Field(
         default_factory=dict, description="Inductor options passed through, e.g. {freezing: true}"
     )
+    tune: Optional[TuneSpec] = Field(
+        default=None,
+        description="compile every variant under several option sets and keep the fastest that matches eager",
+    )
+
+    def candidates(self) -> list[dict[str, Any]]:
+        """The option sets each variant is compiled with: compile.inductor alone without tuning, else
+        each candidate (preset first, then the listed ones, duplicates dropped) merged over it."""
+        if self.tune is None:
+            return [dict(self.inductor)]
+        from .tune import PRESETS
+
+        listed = (PRESETS.get(self.tune.preset, []) if self.tune.preset else []) + list(self.tune.candidates)
+        out: list[dict[str, Any]] = []
+        for c in listed or [{}]:
+            merged = {**self.inductor, **c}
+            if merged not in out:
+                out.append(merged)
+        return out
 
 
 class CheckSpec(_Strict):
@@ -218,7 +247,7 @@ def load_profile(path: str | Path) -> LoadedProfile:
         profile = Profile.model_validate(raw)
     except ValidationError as e:
         raise ProfileError(source, [(_place(err["loc"]), _message(err)) for err in e.errors()]) from None
-    problems = semantic_problems(profile) + inductor_option_problems(profile.compile.inductor)
+    problems = semantic_problems(profile) + inductor_option_problems(profile.compile.inductor) + tune_problems(profile.compile)
     if profile.model.weights is not None and not (path.parent / profile.model.weights).is_file():
         problems.append(("model.weights", f"file not found: {path.parent / profile.model.weights}"))
     if problems:
@@ -349,7 +378,23 @@ def pad_value_problems(profile: Profile) -> list[tuple[str, str]]:
     return problems
 
 
-def inductor_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
+def tune_problems(spec: CompileSpec) -> list[tuple[str, str]]:
+    """compile.tune: a known preset or at least one candidate, each a set of valid Inductor options."""
+    if spec.tune is None:
+        return []
+    from .tune import PRESETS
+
+    problems = []
+    if spec.tune.preset is not None and spec.tune.preset not in PRESETS:
+        problems.append(("compile.tune.preset", f"unknown preset {spec.tune.preset!r} (presets: {', '.join(PRESETS)})"))
+    if spec.tune.preset is None and not spec.tune.candidates:
+        problems.append(("compile.tune", "give a preset or at least one candidate"))
+    for i, candidate in enumerate(spec.tune.candidates):
+        problems += inductor_option_problems(candidate, f"compile.tune.candidates[{i}]")
+    return problems
+
+
+def inductor_option_problems(options: dict[str, Any], where: str = "compile.inductor") -> list[tuple[str, str]]:
     """Check Inductor options against the installed torch's option names and types."""
     if not options:
         return []
@@ -358,7 +403,7 @@ def inductor_option_problems(options: dict[str, Any]) -> list[tuple[str, str]]:
     known = inductor_config.get_config_copy()
     problems = []
     for key, value in options.items():
-        place = f"compile.inductor.{key}"
+        place = f"{where}.{key}"
         if key in MANAGED_INDUCTOR_OPTIONS:
             problems.append((place, f"set by precompile, not by profiles: {MANAGED_INDUCTOR_OPTIONS[key]}"))
         elif key not in known:

@@ -157,3 +157,20 @@ def test_measure_drops_static_variants_that_do_not_pay(tmp_path):
     assert "variants/static-0.pt2" not in manifest["files"] and not (tmp_path / "out" / "variants" / "static-0.pt2").exists()
     assert manifest["check"]["measure"][0]["speedup"] == entry["speedup"]
     assert loader.load(tmp_path / "out")(torch.ones(4, 8))["hidden"].shape == (4, 4)
+
+
+def test_a_compile_worker_killed_by_a_signal_fails_the_build_with_what_to_do(tmp_path):
+    from precompile.errors import CompileError
+
+    text = """
+name: dies
+model: {factory: "tiny:dies_in_worker"}
+inputs:
+  x: {shape: [batch, 8], dtype: float32}
+dims:
+  batch: {min: 1, max: 8}
+distribution: {shapes: [{batch: 4, count: 9}]}
+"""
+    with pytest.raises(CompileError, match=r"its compile worker process died without an error \(killed by a signal.*retry with --jobs 1"):
+        build(write_profile(tmp_path, text), tmp_path / "out", jobs=2)
+    assert not (tmp_path / "out").exists()

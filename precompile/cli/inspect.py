@@ -40,7 +40,10 @@ def describe(manifest) -> str:
     lines.append("variants")
     for v in manifest.variants:
         ranges = ", ".join(f"{d}={r.min}" if r.min == r.max else f"{d} {r}" for d, r in v.dims.items())
-        lines.append(f"  {v.id:<18} {v.kind:<8} {v.device:<5} {ranges}" + (f"  ({v.dtype})" if v.dtype else ""))
+        lines.append(
+            f"  {v.id:<18} {v.kind:<8} {v.device:<5} {ranges}" + (f"  ({v.dtype})" if v.dtype else "")
+            + ("  [own weights]" if v.embedded_constants else "")
+        )
     if manifest.cuda is not None:
         c = manifest.cuda
         lines.append(
@@ -55,6 +58,13 @@ def describe(manifest) -> str:
         lines.append(f"  {path:<32} {_size(entry.size):>10}  sha256:{entry.sha256[:12]}")
     if manifest.check:
         lines.append(f"check     {manifest.check.get('shapes')} shapes, max abs error {manifest.check.get('max_abs_error', 0):.2e}")
+    tuning = manifest.check.get("tuning") if manifest.check else None
+    if tuning:
+        lines.append("tuning    each variant's candidates, ms on its traffic (* kept)")
+        for t in tuning:
+            options = ",".join(f"{k}={v}" for k, v in t.get("options", {}).items()) or "defaults"
+            result = f"{t['ms']:.3f} ms" if "ms" in t else f"failed: {str(t.get('error', ''))[:80]}"
+            lines.append(f"  {'*' if t.get('kept') else ' '} {t.get('variant', '?'):<16} {options:<40} {result}")
     return "\n".join(lines)
 
 

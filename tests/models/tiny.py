@@ -138,3 +138,25 @@ def scores() -> nn.Module:
     torch.manual_seed(3)
     return Scores()
 
+
+
+class DiesInWorker(nn.Module):
+    """Kills its own process with SIGKILL when run inside a build's compile worker (as the
+    out-of-memory killer would); runs normally in the process that started the build."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import multiprocessing
+        import os
+        import signal
+
+        if multiprocessing.parent_process() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.lin(x)
+
+
+def dies_in_worker() -> nn.Module:
+    return DiesInWorker()

@@ -1,0 +1,149 @@
+"""How many CPUs this process really gets, and whether torch's threading fits them.
+
+A container's CPU quota (cgroup ``cpu.max``, or ``cpu.cfs_quota_us`` on cgroup v1) and the process's
+affinity mask can give it far fewer CPUs than the host has; torch sizes its OpenMP pool from the
+host's cores. Too many threads for the CPUs at hand, or OpenMP threads that spin-wait between
+parallel regions while other processes want the same cores, make every call far slower than a fair
+share of the machine (measured: 6.6× slower beside two neighbours on 2 cores, against 2.7× with
+``OMP_WAIT_POLICY=PASSIVE``).
+
+The wait policy is read once, when the OpenMP runtime starts (at ``import torch``), so only a
+process's launcher can set it: ``precompile serve`` does so for itself; a library user sets it in
+the environment, and ``load()`` warns when the settings will hurt.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+
+
+class ThreadingWarning(UserWarning):
+    """torch's threading does not fit the CPUs this process gets."""
+
+
+@dataclass(frozen=True)
+class CpuAllowance:
+    host: int  # the host's logical CPUs
+    affinity: int  # CPUs this process may run on (sched_getaffinity)
+    quota: float | None  # CPUs' worth of time per period the cgroup allows; None: no quota
+
+    @property
+    def cpus(self) -> int:
+        """The threads worth running: the affinity mask, cut to the quota rounded up."""
+        n = self.affinity
+        if self.quota is not None:
+            n = min(n, max(1, math.ceil(self.quota)))
+        return max(1, n)
+
+    def describe(self) -> str:
+        parts = [f"{self.affinity} of {self.host} CPUs in its affinity mask"]
+        if self.quota is not None:
+            parts.append(f"a cgroup quota of {self.quota:g} CPUs")
+        return ", ".join(parts)
+
+
+def cpu_allowance(cgroup_root: str | os.PathLike = "/sys/fs/cgroup", proc_cgroup: str | os.PathLike = "/proc/self/cgroup") -> CpuAllowance:
+    """This process's CPUs: affinity and the tightest cgroup CPU quota on its path (v2 or v1)."""
+    host = os.cpu_count() or 1
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        affinity = host
+    return CpuAllowance(host, affinity, _cgroup_quota(Path(cgroup_root), Path(proc_cgroup)))
+
+
+def _cgroup_quota(root: Path, proc_cgroup: Path) -> float | None:
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        rel = path.strip("/")
+        if controllers == "":  # cgroup v2: one unified hierarchy
+            quotas += [q for d in _ancestors(root, rel) if (q := _read_v2(d / "cpu.max")) is not None]
+        elif "cpu" in controllers.split(","):
+            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+                if mount.is_dir():
+                    quotas += [q for d in _ancestors(mount, rel) if (q := _read_v1(d)) is not None]
+                    break
+    return min(quotas) if quotas else None
+
+
+def _ancestors(mount: Path, rel: str) -> list[Path]:
+    """The cgroup's folder and each parent up to the mount: a quota anywhere above applies too.
+    Inside a container the path may not exist under the mount (it is the container's root)."""
+    parts = [p for p in rel.split("/") if p]
+    return [mount.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _read_v2(path: Path) -> float | None:
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _read_v1(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return quota / period
+
+
+def threading_problems(allowance: CpuAllowance | None = None, *, threads: int | None = None, wait_policy: str | None = None) -> list[str]:
+    """Why torch's threading will hurt in this process, as sentences with the fix; [] when it fits."""
+    allowance = allowance or cpu_allowance()
+    threads = torch.get_num_threads() if threads is None else threads
+    policy = os.environ.get(WAIT_POLICY_ENV) if wait_policy is None else wait_policy
+    problems = []
+    if threads > allowance.cpus:
+        problems.append(
+            f"torch uses {threads} threads but this process gets {allowance.cpus} CPU(s) ({allowance.describe()}): "
+            f"call torch.set_num_threads({allowance.cpus}) or load(..., threads={allowance.cpus})"
+        )
+    shared = allowance.cpus < allowance.host or allowance.quota is not None
+    if threads > 1 and shared and (policy or "").strip().lower() != "passive":
+        problems.append(
+            f"OpenMP threads spin-wait between calls ({WAIT_POLICY_ENV} is {policy or 'unset'}) on a share of the "
+            f"host ({allowance.describe()}): neighbours slow every call; start the process with "
+            f"{WAIT_POLICY_ENV}=PASSIVE (it is read when torch is imported)"
+        )
+    return problems
+
+
+_warned = False
+
+
+def fit_threads(threads: int | None = None) -> int:
+    """Size torch's thread pool for this process: ``threads`` if given, else cut torch's count to the
+    CPUs the process gets. Warns once per process (ThreadingWarning) about what still hurts."""
+    global _warned
+    allowance = cpu_allowance()
+    want = threads if threads is not None else min(torch.get_num_threads(), allowance.cpus)
+    if want != torch.get_num_threads():
+        torch.set_num_threads(want)
+    problems = threading_problems(allowance, threads=want)
+    if problems and not _warned:
+        _warned = True
+        warnings.warn("precompile: " + "; ".join(problems), ThreadingWarning, stacklevel=3)
+    return want

@@ -1,0 +1,108 @@
+"""The CPUs a process really gets (affinity, cgroup v1 and v2 quotas) and the threading warnings."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from loader import threads as T
+from loader.threads import CpuAllowance, cpu_allowance, threading_problems
+
+
+def cgroup_v2(tmp_path, quota: str, path: str = "/kubepods/pod1/ctr") -> tuple:
+    folder = tmp_path.joinpath("fs", *path.strip("/").split("/"))
+    folder.mkdir(parents=True)
+    (folder / "cpu.max").write_text(quota + "\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text(f"0::{path}\n")
+    return tmp_path / "fs", proc
+
+
+def test_a_v2_quota_limits_the_cpus(tmp_path):
+    root, proc = cgroup_v2(tmp_path, "150000 100000")
+    allowance = cpu_allowance(root, proc)
+    assert allowance.quota == 1.5
+    assert allowance.cpus == min(allowance.affinity, 2)
+
+
+def test_a_quota_on_a_parent_cgroup_applies(tmp_path):
+    root, proc = cgroup_v2(tmp_path, "max 100000")
+    (root / "kubepods" / "cpu.max").write_text("50000 100000\n")
+    assert cpu_allowance(root, proc).quota == 0.5
+    assert cpu_allowance(root, proc).cpus == 1
+
+
+def test_no_quota_leaves_the_affinity(tmp_path):
+    root, proc = cgroup_v2(tmp_path, "max 100000")
+    allowance = cpu_allowance(root, proc)
+    assert allowance.quota is None and allowance.cpus == allowance.affinity
+
+
+def test_a_v1_quota_limits_the_cpus(tmp_path):
+    folder = tmp_path / "fs" / "cpu,cpuacct" / "docker" / "abc"
+    folder.mkdir(parents=True)
+    (folder / "cpu.cfs_quota_us").write_text("100000\n")
+    (folder / "cpu.cfs_period_us").write_text("100000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n")
+    assert cpu_allowance(tmp_path / "fs", proc).quota == 1.0
+
+
+@pytest.mark.parametrize("text", ["", "garbage", "0::/nowhere\n"])
+def test_unreadable_cgroup_files_mean_no_quota(tmp_path, text):
+    proc = tmp_path / "cgroup"
+    proc.write_text(text)
+    assert cpu_allowance(tmp_path / "missing", proc).quota is None
+
+
+def test_more_threads_than_cpus_is_a_problem_with_the_fix():
+    (problem,) = threading_problems(CpuAllowance(host=8, affinity=8, quota=None), threads=16, wait_policy="PASSIVE")
+    assert "torch uses 16 threads but this process gets 8 CPU(s)" in problem
+    assert "torch.set_num_threads(8)" in problem
+
+
+def test_spin_waiting_on_a_share_of_the_host_is_a_problem():
+    share = CpuAllowance(host=64, affinity=64, quota=2.0)
+    (problem,) = threading_problems(share, threads=2, wait_policy="")
+    assert "OMP_WAIT_POLICY=PASSIVE" in problem and "a cgroup quota of 2 CPUs" in problem
+    assert threading_problems(share, threads=2, wait_policy="passive") == []
+    assert threading_problems(CpuAllowance(host=4, affinity=4, quota=None), threads=4, wait_policy="") == []
+
+
+def test_fit_threads_cuts_torch_to_the_allowance(monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(T, "cpu_allowance", lambda: CpuAllowance(host=2, affinity=1, quota=None))
+    try:
+        assert T.fit_threads() == 1 and torch.get_num_threads() == 1
+        assert T.fit_threads(threads=2) == 2 and torch.get_num_threads() == 2  # an explicit count wins
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fit_threads_warns_once_per_process(monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(T, "cpu_allowance", lambda: CpuAllowance(host=4, affinity=2, quota=None))
+    monkeypatch.setattr(T, "_warned", False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            T.fit_threads()
+            T.fit_threads()
+        (warning,) = [w for w in caught if issubclass(w.category, T.ThreadingWarning)]
+        assert "OMP_WAIT_POLICY=PASSIVE" in str(warning.message)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_serve_adds_the_wait_policy_and_thread_count_but_keeps_the_users():
+    from precompile.serve.server import serving_env
+
+    env = serving_env(2, environ={})
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["OMP_NUM_THREADS"] == str(max(1, cpu_allowance().cpus // 2))
+    assert serving_env(1, environ={"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"}) == {}

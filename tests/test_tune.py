@@ -1,0 +1,111 @@
+"""Options chosen by measurement: every variant compiled under each candidate, timed on its traffic,
+the fastest that matches eager kept; frozen (oneDNN-prepacked) variants carry their own weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import loader
+from precompile.build import build
+from precompile.cli import main
+from precompile.errors import CheckError, ProfileError
+from precompile.profile import load_profile
+from precompile.resolve import resolve_model
+from precompile.tune import Trial, choose, serving_shapes
+from precompile.plan import VariantPlan
+
+from .conftest import CLASSIFIER_PROFILE, write_profile
+
+TUNED = CLASSIFIER_PROFILE.replace("name: tiny-classifier", "name: tiny-tuned").replace(
+    "check: {random_shapes: 6}",
+    """distribution:
+  shapes: [{batch: 1, seq: 16, count: 80}, {batch: 4, seq: 40, count: 20}]
+plan: {max_specialized: 0}
+check: {random_shapes: 1}
+compile:
+  tune: {candidates: [{}, {freezing: true}]}""",
+)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tuned")
+    return build(write_profile(folder, TUNED), folder / "artifact", jobs=2)
+
+
+def test_every_candidate_is_timed_and_the_fastest_that_matches_is_kept(tuned):
+    trials = tuned.manifest.check["tuning"]
+    assert [(t["variant"], t["candidate"]) for t in trials] == [("dynamic", 0), ("dynamic", 1)]
+    assert [t["options"] for t in trials] == [{}, {"freezing": True}]
+    assert all(t["ms"] > 0 and t["max_abs_error"] < 1e-4 and t["compile_s"] > 0 for t in trials)
+    (kept,) = [t for t in trials if t["kept"]]
+    assert kept["ms"] == min(t["ms"] for t in trials)
+    assert sorted(p.name for p in (tuned.path / "variants").iterdir()) == ["dynamic.pt2"]  # the loser is gone
+
+
+def test_the_tuned_artifact_serves_the_winner_and_matches_eager(tuned):
+    model = loader.load(tuned.path)
+    eager = resolve_model(load_profile(tuned.path.parent / "profile.yaml"))
+    ids, mask = torch.randint(0, 50, (3, 20)), torch.ones(3, 20, dtype=torch.bool)
+    (variant,) = model.variants
+    kept = [t for t in tuned.manifest.check["tuning"] if t["kept"]][0]
+    assert variant.embedded_constants == kept["options"].get("freezing", False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, mask), eager(ids, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_inspect_shows_the_candidates(tuned):
+    out = CliRunner().invoke(main, ["inspect", str(tuned.path)], catch_exceptions=False).output
+    assert "tuning" in out and "freezing=True" in out
+
+
+def test_a_frozen_variant_carries_its_own_prepacked_weights(tmp_path):
+    text = TUNED.replace("  tune: {candidates: [{}, {freezing: true}]}", "  inductor: {freezing: true}")
+    result = build(write_profile(tmp_path, text), tmp_path / "artifact", jobs=1)
+    (variant,) = result.manifest.variants
+    assert variant.embedded_constants and variant.constants == ()
+    manifest = json.loads((result.path / "manifest.json").read_text())
+    assert manifest["variants"][0]["embedded_constants"] is True
+    eager = resolve_model(load_profile(tmp_path / "profile.yaml"))
+    ids, mask = torch.randint(0, 50, (2, 9)), torch.ones(2, 9, dtype=torch.bool)
+    with torch.no_grad():
+        torch.testing.assert_close(loader.load(result.path)(ids, mask), eager(ids, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_serving_shapes_are_the_hottest_inside_the_variant_weighted_by_traffic():
+    vp = VariantPlan("dynamic-0", "dynamic", {"batch": (1, 8), "seq": (2, 16)}, {"batch": 2, "seq": 8})
+    dist = {(1, 16): 60, (2, 8): 30, (4, 40): 500, (8, 16): 10, (1, 2): 0}
+    shapes = serving_shapes(vp, dist, ("batch", "seq"), top=2)
+    assert shapes == [({"batch": 1, "seq": 16}, 60 / 90), ({"batch": 2, "seq": 8}, 30 / 90)]
+    assert serving_shapes(vp, {}, ("batch", "seq")) == [({"batch": 2, "seq": 8}, 1.0)]
+
+
+def test_choose_skips_failed_candidates_and_says_why_when_none_is_left():
+    trials = [Trial("v", 0, {}, ms=2.0), Trial("v", 1, {"freezing": True}, ms=1.0), Trial("v", 2, {"x": 1}, error="boom")]
+    assert choose(trials).candidate == 1 and trials[1].kept and not trials[0].kept
+    with pytest.raises(CheckError, match="no tuning candidate compiled and matched eager.*boom"):
+        choose([Trial("v", 0, {}, error="boom")])
+
+
+@pytest.mark.parametrize(
+    "tune, message",
+    [
+        ("{preset: fastest}", "compile.tune.preset: unknown preset 'fastest' (presets: cpu, cpu-max)"),
+        ("{max_seconds: 10}", "compile.tune: give a preset or at least one candidate"),
+        ("{candidates: [{freezin: true}]}", "compile.tune.candidates[0].freezin: unknown Inductor option"),
+    ],
+)
+def test_bad_tune_sections_are_profile_errors(tmp_path, tune, message):
+    text = TUNED.replace("{candidates: [{}, {freezing: true}]}", tune)
+    with pytest.raises(ProfileError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        load_profile(write_profile(tmp_path, text))
+
+
+def test_a_preset_expands_over_compile_inductor(tmp_path):
+    text = TUNED.replace("  tune: {candidates: [{}, {freezing: true}]}", "  inductor: {freezing: true}\n  tune: {preset: cpu}")
+    spec = load_profile(write_profile(tmp_path, text)).profile.compile
+    assert spec.candidates() == [{"freezing": True}]  # {} and {freezing: true} merge to the same set
