@@ -211,8 +211,9 @@ class CompiledModel:
         graphs = self.device_type == "cuda" and self.manifest.cuda is not None and self.manifest.cuda.cuda_graphs
         for v in self._variants:
             args = [
-                torch.zeros(
+                torch.full(  # the smallest valid value: 0 may be outside an integer input's range
                     [v.hint[s] if isinstance(s, str) else s for s in spec.shape],
+                    spec.range.min if spec.range is not None else 0,
                     dtype=TORCH_DTYPES[spec.dtype],
                     device=self.device,
                 )

@@ -302,3 +302,18 @@ def test_an_undeclared_range_comes_from_the_embedding_table(tmp_path):
     assert "inputs.ids: values guarded to [0, 49], the embedding table of 50 rows (valid 0..49)" in progress.lines
     with pytest.raises(GuardError, match="value 50 at"):
         loader.load(result.path)(*ids_mask(value=50))
+
+
+def test_warmup_calls_stay_inside_the_value_ranges(classifier_artifact, tmp_path):
+    """Warm-up inputs must pass the value guard: 0 is outside a range like MiniLM's [1000, 29999]."""
+    copy = tmp_path / "artifact"
+    shutil.copytree(classifier_artifact, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for spec in manifest["inputs"]:
+        if spec["name"] == "ids":
+            spec["range"] = [5, 49]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    model = loader.load(copy)
+    model.warmup()
+    with pytest.raises(GuardError, match="value 0 at"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool))

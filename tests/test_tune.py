@@ -109,3 +109,11 @@ def test_a_preset_expands_over_compile_inductor(tmp_path):
     text = TUNED.replace("  tune: {candidates: [{}, {freezing: true}]}", "  inductor: {freezing: true}\n  tune: {preset: cpu}")
     spec = load_profile(write_profile(tmp_path, text)).profile.compile
     assert spec.candidates() == [{"freezing": True}]  # {} and {freezing: true} merge to the same set
+
+
+def test_plan_shows_the_candidates(tmp_path):
+    path = write_profile(tmp_path, TUNED)
+    out = CliRunner().invoke(main, ["plan", str(path)], catch_exceptions=False).output
+    assert "tuning: each variant compiled 2 ways" in out and "candidate 1: freezing=True" in out
+    data = json.loads(CliRunner().invoke(main, ["plan", str(path), "--json"], catch_exceptions=False).output)
+    assert data["compile_candidates"] == [{}, {"freezing": True}]

@@ -19,7 +19,12 @@ def plan(profile: Path, as_json: bool) -> None:
 
     loaded = load_profile(profile)
     result = make_plan(loaded)
+    candidates = loaded.profile.compile.candidates()
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-    else:
-        click.echo(format_plan(result, loaded.profile.name))
+        click.echo(json.dumps({**result.to_dict(), "compile_candidates": candidates}, indent=2))
+        return
+    click.echo(format_plan(result, loaded.profile.name))
+    if len(candidates) > 1:
+        click.echo(f"  tuning: each variant compiled {len(candidates)} ways, the fastest on its traffic kept:")
+        for i, options in enumerate(candidates):
+            click.echo(f"    candidate {i}: " + (", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"))
