@@ -29,7 +29,8 @@ from .cache import Cache
 from .errors import LoaderError
 from .host import check_compatible
 from .manifest import Manifest
-from .pack import read_head
+from . import remote
+from .pack import PackHead, read_head
 from .trust import KeySource, LedgerHold, VersionLedger, check_expiry, check_min_version, check_signature, public_keys
 from .weights import MappedWeights, map_file, read_private
 
@@ -71,7 +72,7 @@ class Opened:
 
 
 def open_artifact(
-    path: str | os.PathLike,
+    path: str | os.PathLike | PackHead,
     *,
     device: str | None = None,
     verify: bool = True,
@@ -81,14 +82,20 @@ def open_artifact(
     cache_dir: str | os.PathLike | None = None,
     state_dir: str | os.PathLike | None = None,
 ) -> Opened:
-    """See ``loader.load``; returns the folder to open and what was checked."""
+    """See ``loader.load``; returns the folder to open and what was checked. A URL goes through
+    ``loader.remote``, which comes back here with the downloaded pack or its cache entry's head."""
     if trusted_keys is not None and not verify:
         raise LoaderError("verify=False skips the sha256 checks a signature relies on; drop it or trusted_keys")
+    if remote.is_url(path):
+        options = dict(device=device, verify=verify, trusted_keys=trusted_keys, min_version=min_version)
+        options.update(refuse_rollback=refuse_rollback, cache_dir=cache_dir, state_dir=state_dir)
+        return remote.open_url(str(path), lambda local: open_artifact(local, **options), cache_dir=cache_dir)
     keys = public_keys(trusted_keys) if trusted_keys is not None else None
-    path = Path(path)
-    head = None
-    if path.is_file():
+    head = path if isinstance(path, PackHead) else None  # a remote pack's cache entry (loader.remote)
+    path = head.path if head is not None else Path(path)
+    if head is None and path.is_file():
         head = read_head(path)
+    if head is not None:
         manifest, manifest_bytes, signature, digest = head.manifest, head.manifest_bytes, head.signature, head.digest
     else:
         manifest, manifest_bytes = read_manifest_with_bytes(path)

@@ -47,3 +47,6 @@ from . import keygen as _keygen  # noqa: E402,F401
 from . import pack as _pack  # noqa: E402,F401
 from . import sign as _sign  # noqa: E402,F401
 from . import verify as _verify  # noqa: E402,F401
+from . import push as _push  # noqa: E402,F401
+from . import pull as _pull  # noqa: E402,F401
+from . import ls as _ls  # noqa: E402,F401

@@ -1,0 +1,192 @@
+"""Packs in object stores: ``load("s3://bucket/models/text-classifier/7.tar.zst")`` and any other
+fsspec URL (``gs://``, ``https://``, ``file://``).
+
+A remote pack is fetched into the local cache once and then treated exactly as a local pack:
+
+- it is streamed in ranged reads of ``CHUNK`` bytes into a private temporary file in the cache's
+  ``tmp/`` (sha256 computed as it streams); each read is retried on transient errors, a bounded number
+  of times with exponential backoff, resuming where it stopped. The file is used only once it has the
+  size the store announced; a failure removes it, so a half-downloaded pack never becomes an entry;
+- the local pack is then opened by the same code as any pack (manifest, signature, expiry, host,
+  then the strict unpack into ``artifacts/<digest>``, every member hashed), and deleted;
+- ``remote/<sha256 of the URL>.json`` records the URL's ETag, size and manifest digest. A later load
+  asks the store for the object's ETag only (one small request); when it matches and the entry is
+  there, nothing is downloaded. A record is trusted only if this user owns it, like the cache itself.
+
+fsspec (and s3fs for ``s3://``) is imported only for URLs: ``import loader`` stays light.
+Credentials come the standard way (for S3: the AWS environment variables and config files); an S3
+compatible endpoint is ``PRECOMPILE_S3_ENDPOINT_URL``, else ``AWS_ENDPOINT_URL``, which botocore reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from . import constants as C
+from .cache import Cache
+from .errors import ArtifactError, LoaderError
+from .fs import check_private, write_atomic
+from .pack import PackHead
+from .artifact import manifest_digest, read_signature
+
+ENDPOINT_ENV = "PRECOMPILE_S3_ENDPOINT_URL"
+CHUNK = 8 << 20
+RETRIES = 4  # attempts per request, transient errors only
+BACKOFF = 0.25  # seconds before the second attempt, doubled each time
+RECORDS_DIR = "remote"
+
+class MissingObjectError(ArtifactError):
+    """The store answered: there is no object at this URL."""
+
+
+_URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+T = TypeVar("T")
+
+
+def is_url(path: object) -> bool:
+    """True for ``scheme://...`` strings (fsspec URLs); paths on disk are never URLs."""
+    return isinstance(path, str) and bool(_URL_RE.match(path))
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem for ``url`` and the path inside it, with the endpoint from the
+    environment for ``s3://``. ArtifactError naming the URL when the scheme needs a package that
+    is not installed (``pip install precompile[s3]``)."""
+    try:
+        import fsspec.core
+    except ImportError:
+        raise ArtifactError(f"{url}: loading from a URL needs fsspec; pip install 'precompile[s3]'") from None
+    options: dict[str, Any] = {}
+    if url.startswith(("s3://", "s3a://")):
+        endpoint = os.environ.get(ENDPOINT_ENV)
+        if endpoint:
+            options["endpoint_url"] = endpoint
+        options["use_listings_cache"] = False  # another host may have pushed since: always ask
+        # Fail in seconds, not minutes, on a store that is down; our own retries take over from there.
+        options["config_kwargs"] = {
+            "connect_timeout": 5,
+            "read_timeout": 30,
+            "retries": {"max_attempts": 2},
+            # S3 compatibles (rclone, MinIO, Ceph) differ on the newer CRC checksums; the pack carries
+            # its own sha256 for every member, so ask for checksums only where S3 requires them.
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        }
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError as e:
+        raise ArtifactError(f"{url}: {e}; pip install 'precompile[s3]' (or the fsspec package for this scheme)") from None
+    except ValueError as e:
+        raise ArtifactError(f"{url}: not a URL fsspec knows ({e})") from None
+
+
+def retried(url: str, what: str, call: Callable[[], T]) -> T:
+    """``call()``, again after a transient error (connection, timeout, server error), at most
+    ``RETRIES`` times; ArtifactError naming the URL once it gives up. A missing object or a refused
+    permission is not transient and fails at once."""
+    for attempt in range(RETRIES):
+        try:
+            return call()
+        except FileNotFoundError:
+            raise MissingObjectError(f"{url}: no such object in the store") from None
+        except PermissionError as e:
+            raise ArtifactError(f"{url}: access refused by the store ({e}); check the credentials") from None
+        except Exception as e:  # fsspec backends raise their own transport errors (aiohttp, botocore)
+            if attempt + 1 == RETRIES:
+                raise ArtifactError(f"{url}: cannot {what} after {RETRIES} attempts; is the store up? ({type(e).__name__}: {e})") from None
+            time.sleep(BACKOFF * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def stat(fs: Any, path: str, url: str) -> tuple[str | None, int]:
+    """The object's ETag (None if the store gives none) and size."""
+    info = retried(url, "reach the store", lambda: fs.info(path))
+    if info.get("type") not in (None, "file"):
+        raise ArtifactError(f"{url}: not an object (a folder?); give the URL of a .tar.zst pack")
+    etag = info.get("ETag") or info.get("etag")
+    return (str(etag) if etag is not None else None), int(info.get("size") or 0)
+
+
+def download(fs: Any, path: str, url: str, write: Callable[[bytes], Any] | None, size: int) -> str:
+    """Stream the object to ``write`` (None: hash only) in ranged reads; return its sha256.
+
+    ArtifactError when the store stops answering or the object is not ``size`` bytes."""
+    digest, offset = hashlib.sha256(), 0
+    while offset < size:
+        end = min(offset + CHUNK, size)
+        chunk = retried(url, f"read bytes {offset}-{end}", lambda: fs.cat_file(path, start=offset, end=end))
+        if not chunk:
+            break
+        digest.update(chunk)
+        if write is not None:
+            write(chunk)
+        offset += len(chunk)
+    if offset != size:
+        raise ArtifactError(f"{url}: the store sent {offset} bytes, the object has {size} (changed while downloading?)")
+    return digest.hexdigest()
+
+
+def open_url(url: str, open_pack: Callable[[Any], T], *, cache_dir: str | os.PathLike | None = None) -> T:
+    """Open the pack at ``url`` through ``open_pack`` (what ``open_artifact`` does with a local pack):
+    from the cache when the store's ETag matches the one recorded, else downloaded first."""
+    cache = Cache(cache_dir)
+    fs, path = filesystem(url)
+    etag, size = stat(fs, path, url)
+    record_path = cache.root / RECORDS_DIR / f"{hashlib.sha256(url.encode()).hexdigest()}.json"
+    head = _cached_head(cache, record_path, etag, size)
+    if head is not None:
+        try:
+            return open_pack(head)
+        except ArtifactError:
+            if os.path.lexists(head.path):
+                raise  # refused on its merits (signature, host, ...), not for a damaged entry
+            # The entry failed its check and the cache discarded it: fetch the pack again.
+    cache._prepare()
+    fd, tmp = tempfile.mkstemp(prefix="download-", suffix=C.PACK_SUFFIX, dir=cache.tmp_dir)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            download(fs, path, url, out.write, size)
+        try:
+            opened = open_pack(Path(tmp))
+        except LoaderError as e:
+            if len(e.args) != 1 or tmp not in str(e):
+                raise
+            # Name what the caller asked for, not the temporary file it was downloaded to.
+            raise type(e)(str(e).replace(tmp, url)) from None
+    finally:
+        os.unlink(tmp)
+    if etag is not None:
+        try:
+            record_path.parent.mkdir(mode=0o755, exist_ok=True)
+            write_atomic(record_path, json.dumps({"url": url, "etag": etag, "size": size, "digest": opened.digest}).encode())
+        except OSError:
+            pass  # a read-only cache still serves; the next load downloads again
+    return opened
+
+
+def _cached_head(cache: Cache, record_path: Path, etag: str | None, size: int) -> PackHead | None:
+    """The head of the cache entry the record names, when the record matches the store's object."""
+    if etag is None or not record_path.is_file():
+        return None
+    check_private(record_path, "a precompile cache record", f"delete it or set {C.CACHE_ENV} to a folder of your own")
+    try:
+        record = json.loads(record_path.read_bytes())
+        if record["etag"] != etag or record["size"] != size:
+            return None
+        entry = cache.entry_path(str(record["digest"]))
+        manifest_bytes = (entry / C.MANIFEST_FILE).read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if manifest_digest(manifest_bytes) != record["digest"]:
+        return None
+    from .manifest import parse_manifest
+
+    manifest = parse_manifest(manifest_bytes, source=str(entry / C.MANIFEST_FILE))
+    return PackHead(entry, manifest, manifest_bytes, read_signature(entry), record["digest"])

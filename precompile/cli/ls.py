@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import click
+
+from . import main, user_errors
+from .inspect import _size
+
+
+@main.command("ls")
+@click.argument("url")
+@user_errors
+def ls_cmd(url: str) -> None:
+    """List the models and versions published under an object store URL (see `precompile push`)."""
+    from ..remote import ls
+
+    found = ls(url)
+    if not found:
+        click.echo(f"{url}: nothing published")
+    for name, index in sorted(found.items()):
+        click.echo(name)
+        for version, entry in sorted(index["versions"].items(), key=lambda kv: int(kv[0])):
+            signed = ", signed by " + ", ".join(k[:16] for k in entry.get("signed_by") or []) if entry.get("signed_by") else ""
+            click.echo(f"  v{version:<5} {_size(entry.get('size', 0)):>10}  {str(entry.get('digest', ''))[:16]}{signed}")
