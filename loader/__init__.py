@@ -8,6 +8,7 @@ This package imports torch, the standard library and nothing of the build side; 
 Reading a pack imports ``zstandard`` and checking a signature ``cryptography``, each only then.
 """
 
+from .batch import Batcher, BatcherClosed, BatcherFull
 from .errors import ArtifactError, GuardError, IncompatibleArtifactError, LoaderError
 from .live import Live, Serving, SwapError
 from .manifest import Manifest, parse_manifest
@@ -19,6 +20,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactError",
+    "Batcher",
+    "BatcherClosed",
+    "BatcherFull",
     "CompiledModel",
     "GuardError",
     "IncompatibleArtifactError",

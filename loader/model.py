@@ -114,6 +114,15 @@ class CompiledModel:
         tensors, sizes = self._guard.check(args, kwargs)
         return self._dispatch(sizes)[0]
 
+    def check(self, *args: Any, **kwargs: Any) -> tuple[list[torch.Tensor], dict[str, int], Variant | None]:
+        """Check a call as calling would, without running it: its inputs in forward() order, the size
+        of each named dim, and the variant that would serve it (None when a pad or split policy serves
+        it in pieces). Raises the GuardError the call would raise."""
+        tensors, sizes = self._guard.check(args, kwargs)
+        if self._policies is not None and self._policies.needed(sizes):
+            return tensors, sizes, None
+        return tensors, sizes, self._dispatch(sizes)[0]
+
     def run_variant(self, variant_id: str, *args: Any, **kwargs: Any) -> Any:
         """Run one named variant, bypassing dispatch (for checks); its ranges are still guarded."""
         variant = next((v for v in self._variants if v.id == variant_id), None)
@@ -210,15 +219,7 @@ class CompiledModel:
         """
         graphs = self.device_type == "cuda" and self.manifest.cuda is not None and self.manifest.cuda.cuda_graphs
         for v in self._variants:
-            args = [
-                torch.full(  # the smallest valid value: 0 may be outside an integer input's range
-                    [v.hint[s] if isinstance(s, str) else s for s in spec.shape],
-                    spec.range.min if spec.range is not None else 0,
-                    dtype=TORCH_DTYPES[spec.dtype],
-                    device=self.device,
-                )
-                for spec in self.manifest.inputs
-            ]
+            args = self.example_inputs(v)
             self.run_variant(v.id, *args)
             if graphs and v.kind == "static" and not isinstance(self._runners[v.id], GraphedRunner):
                 runner = self._runners[v.id]
@@ -229,6 +230,18 @@ class CompiledModel:
         if graphs:
             self._index_tables()
             torch.cuda.synchronize(self.device)
+
+    def example_inputs(self, variant: Variant) -> list[torch.Tensor]:
+        """Valid inputs at ``variant``'s hint shape, on the model's device (for warm-up and probes)."""
+        return [
+            torch.full(  # the smallest valid value: 0 may be outside an integer input's range
+                [variant.hint[s] if isinstance(s, str) else s for s in spec.shape],
+                spec.range.min if spec.range is not None else 0,
+                dtype=TORCH_DTYPES[spec.dtype],
+                device=self.device,
+            )
+            for spec in self.manifest.inputs
+        ]
 
     def _outputs(self, outputs: list) -> Any:
         if self._single_tensor:

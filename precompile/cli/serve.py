@@ -30,6 +30,10 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 @click.option("--watch-interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True, help="Seconds between looks at ARTIFACT.")
 @click.option("--record", metavar="PATH", help="Write the observed shape histogram to PATH ({pid}: the process id).")
 @click.option("--record-interval", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="Seconds between writes of --record (and at shutdown).")
+@click.option("--batch", is_flag=True, help="Batch concurrent /predict and /v2 infer calls into the compiled variants (loader.Batcher).")
+@click.option("--max-batch", type=click.IntRange(min=1), help="With --batch: most rows one batch holds. Default: the largest batch a variant serves.")
+@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True, help="With --batch: longest a call waits for batch-mates.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=1024, show_default=True, help="With --batch: calls waiting at most; more get HTTP 503.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
 @user_errors
@@ -49,10 +53,15 @@ def serve(
     watch_interval: float,
     record: str | None,
     record_interval: float,
+    batch: bool,
+    max_batch: int | None,
+    max_delay_ms: float,
+    max_queue: int,
     no_verify: bool,
     log_level: str,
 ) -> None:
-    """Serve ARTIFACT over HTTP: POST /predict, /healthz, /readyz, /metrics, /v1/artifact.
+    """Serve ARTIFACT over HTTP: POST /predict, /healthz, /readyz, /metrics, /v1/artifact, and the
+    Open Inference Protocol (KServe v2) under /v2.
 
     ARTIFACT is an artifact folder or pack, or a link or pointer file naming one (see --watch). The
     model is loaded and warmed up in the background; /readyz answers 200 once it is. The trust options
@@ -80,6 +89,8 @@ def serve(
         raise click.UsageError("--allow-rollback and --refuse-rollback contradict each other; pick one")
     if trusted_keys and no_verify:
         raise click.UsageError("--no-verify skips the sha256 checks a signature relies on; drop it or --trusted-key")
+    if not batch and (max_batch is not None or _given("max_delay_ms") or _given("max_queue")):
+        raise click.UsageError("--max-batch, --max-delay-ms and --max-queue apply with --batch only")
     manifest = _preflight(artifact, record, trusted_keys)
 
     from ..serve.codec import body_limit
@@ -100,8 +111,18 @@ def serve(
         trusted_keys=tuple(str(k) for k in trusted_keys),
         min_version=min_version,
         refuse_rollback=refuse_rollback,
+        batch=batch,
+        max_batch=max_batch,
+        max_delay_ms=max_delay_ms,
+        max_queue=max_queue,
     )
     run(config, host=host, port=port, workers=workers, log_level=log_level)
+
+
+def _given(name: str) -> bool:
+    """Whether the user gave option ``name`` (not its default)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source is not None and source is not click.core.ParameterSource.DEFAULT
 
 
 def _missing(module: str) -> bool:

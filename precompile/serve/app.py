@@ -6,15 +6,19 @@
     GET  /metrics      Prometheus text format (see metrics.py)
     GET  /v1/artifact  the manifest summary of what is serving, and the last swap attempt
     POST /v1/reload    {"path": ...}: swap to another version (--allow-reload; see reload.py)
+    /v2/...            the Open Inference Protocol (KServe v2; see oip.py)
 
 Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py). The artifact is loaded and warmed up on a background thread at start-up, so /healthz answers at once
-and /readyz turns 200 when the first request would meet warm code. Predictions run on the server's
-thread pool; each runs through ``Live.call_detailed``, so its outputs, variant and
-reported version always belong together, even while a swap happens (``Live.call_detailed``).
+and /readyz turns 200 when the first request would meet warm code. Requests are decoded on the
+server's thread pool; each call runs there through ``Live.call_detailed``, or with ``--batch`` is
+queued in a ``loader.Batcher`` that runs concurrent calls as one batch (the request awaits it, so a
+client that goes away drops its call). Either way its outputs, variant and reported version belong
+together, even while a swap happens.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -27,13 +31,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from loader import GuardError, Live, LoaderError, TrafficRecorder
+from loader import Batcher, BatcherFull, GuardError, Live, LoaderError, TrafficRecorder
 from loader.live import Serving, SwapAttempt, read_served_manifest
 
 from .codec import MIN_BODY_BYTES, BodyError, body_limit, dumps, parse_body, request_schema, to_json, to_tensors
 from .config import ServeConfig
 from .limits import BodyLimit
 from .metrics import Metrics, guard_reason, shape_bucket
+from .oip import mount_oip
 from .reload import ReloadRefused, ReloadRequest, parse_reload_request, reload_target
 
 log = logging.getLogger("precompile.serve")
@@ -49,6 +54,9 @@ class Service:
         self.metrics = Metrics(self.describe_serving)
         self.live.on_attempt(self._count_attempt)
         self.recorder: TrafficRecorder | None = None
+        self.batcher: Batcher | None = (
+            Batcher(self.live, **config.batcher_options(), on_batch=self.metrics.count_batch) if config.batch else None
+        )
         self._loader: threading.Thread | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -71,6 +79,8 @@ class Service:
     def stop(self) -> None:
         if self._loader is not None:
             self._loader.join()
+        if self.batcher is not None:
+            self.batcher.close()
         self.live.close()
         if self.recorder is not None:
             self.recorder.close()
@@ -96,7 +106,14 @@ class Service:
 
     # --- predict -------------------------------------------------------------------------------
 
-    def predict(self, body: bytes) -> Response:
+    async def call(self, inputs: dict[str, Any]) -> tuple[Any, str, Serving]:
+        """Run one call, through the batcher with --batch; raises what the call raises."""
+        if self.batcher is None:
+            return await run_in_threadpool(self.live.call_detailed, **inputs)
+        # Guards run in submit (cheap); the wait is awaited, so a cancelled request cancels the call.
+        return await asyncio.wrap_future(self.batcher.submit(**inputs))
+
+    async def predict(self, body: bytes) -> Response:
         start = time.perf_counter()
         try:
             serving = self.live.serving
@@ -105,17 +122,20 @@ class Service:
         try:
             # Decoded against the version read here; the call may run on a newer one, which the
             # swap checks has the same inputs.
-            inputs = to_tensors(parse_body(body), serving.model.manifest)
-            outputs, variant, serving = self.live.call_detailed(**inputs)
+            inputs = await run_in_threadpool(lambda: to_tensors(parse_body(body), serving.model.manifest))
+            outputs, variant, serving = await self.call(inputs)
         except LoaderError as e:
             if isinstance(e, GuardError):
                 return self._error(422, str(e), guard_reason(e))
-            return self._error(503, str(e), None)
+            return self._error(503, str(e), "queue_full" if isinstance(e, BatcherFull) else None)
         except BodyError as e:
             return self._error(422, str(e), "invalid_body")
         except Exception as e:  # noqa: BLE001: a bug or a runtime failure; this request fails, the server serves on
             log.exception("predict failed")
             return self._error(500, f"internal error: {type(e).__name__}: {_first_line(e)}", None)
+        return await run_in_threadpool(self._predicted, outputs, variant, serving, inputs, start)
+
+    def _predicted(self, outputs: Any, variant: str, serving: Serving, inputs: dict[str, Any], start: float) -> Response:
         try:
             payload = dumps(
                 {"outputs": to_json(outputs), "artifact": {"name": serving.name, "version": serving.version}, "variant": variant}
@@ -194,11 +214,12 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
     app = FastAPI(title="precompile serve", lifespan=lifespan)
     app.state.service = service
     app.add_middleware(BodyLimit, limit=service.max_body_bytes, refuse=lambda scope: service.too_large(scope["path"]))
+    mount_oip(app, service)
 
     @app.post("/predict", openapi_extra=_json_body("PredictRequest"), responses=_ERRORS)
     async def predict(request: Request) -> Response:
         """Run the model: {"inputs": {name: nested list}} -> {"outputs": ..., "artifact": ..., "variant": ...}."""
-        return await run_in_threadpool(service.predict, await request.body())
+        return await service.predict(await request.body())
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -271,7 +292,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         413: "the body is larger than --max-body-bytes",
         422: "a malformed request, or inputs the model refuses (detail and reason say why)",
         500: "an internal failure; the server serves on",
-        503: "no artifact loaded yet",
+        503: "no artifact loaded yet, or the batch queue is full (--batch)",
     }.items()
 }
 

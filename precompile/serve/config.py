@@ -26,6 +26,15 @@ class ServeConfig:
     trusted_keys: tuple[str, ...] = ()  # public key files; non-empty: only artifacts signed by one of them
     min_version: int | None = None
     refuse_rollback: bool = False  # loader.load(refuse_rollback=True): the host's ledger refuses older versions
+    # loader.Batcher for /predict and /v2 infer: concurrent calls run as batches
+    batch: bool = False
+    max_batch: int | None = None  # None: the largest batch a variant serves
+    max_delay_ms: float = 2.0
+    max_queue: int = 1024
+
+    def batcher_options(self) -> dict:
+        """The keyword arguments ``loader.Batcher`` gets, with ``batch`` on."""
+        return {"max_batch": self.max_batch, "max_delay_ms": self.max_delay_ms, "max_queue": self.max_queue}
 
     def load_options(self) -> dict:
         """The keyword arguments ``loader.load`` gets for every version this server loads."""

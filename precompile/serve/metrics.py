@@ -7,6 +7,8 @@
                                                      dtype, ...), invalid_body or too_large
     precompile_shape_calls_total{shape}              predictions per shape bucket (each dim rounded up
                                                      to a power of two: batch=3-4,seq=65-128)
+    precompile_batch_size                            batches run by --batch, by size (histogram)
+    precompile_batch_queue_wait_seconds              how long each call waited for its batch (histogram)
     precompile_reloads_total{result}                 swaps to a new version: ok | failed
     precompile_artifact_info{name,version,digest}    what is serving (read at scrape time)
 
@@ -24,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 def guard_reason(error: Exception) -> str:
@@ -80,8 +83,18 @@ class Metrics:
             "precompile_shape_calls", "Predictions per shape bucket (dims rounded up to powers of two)", ["shape"],
             registry=owner,
         )
+        self.batch_size = Histogram("precompile_batch_size", "Batches run by --batch, by size", buckets=BATCH_BUCKETS, registry=owner)
+        self.queue_wait = Histogram(
+            "precompile_batch_queue_wait_seconds", "How long each call waited for its batch", buckets=LATENCY_BUCKETS, registry=owner
+        )
         self.reloads = Counter("precompile_reloads", "Swaps to a new artifact version, by result", ["result"], registry=owner)
         self.registry.register(ArtifactInfo(describe_artifact))
+
+    def count_batch(self, size: int, waits: list[float]) -> None:
+        """``loader.Batcher``'s ``on_batch``: one batch of ``size`` and its calls' queue waits."""
+        self.batch_size.observe(size)
+        for seconds in waits:
+            self.queue_wait.observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
