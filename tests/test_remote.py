@@ -224,11 +224,10 @@ def test_an_object_replaced_at_the_same_url_is_downloaded_again(s3, classifier_p
     from precompile.ship import pack
 
     url = f"{STORE}/mutable/current.tar.zst"
-    target = s3.root / BUCKET / "prod" / "mutable" / "current.tar.zst"
-    target.parent.mkdir(parents=True)
-    shutil.copy(classifier_pack, target)
+    fs, path = remote.filesystem(url)
+    fs.put_file(str(classifier_pack), path)  # through the store's API, as a deploy writes it
     assert loader.load(url).manifest.version == 1
-    pack(classifier_versions[1], target)
+    fs.put_file(str(pack(classifier_versions[1], tmp_path / "v2.tar.zst")), path)
     assert loader.load(url).manifest.version == 2
     assert downloads == [url, url]
 
