@@ -41,10 +41,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def request_body(manifest: dict, seq: int = 64) -> dict:
-    names = [i["name"] for i in manifest["inputs"]]
-    lo = next((i.get("range", [0, 0])[0] for i in manifest["inputs"] if i["dtype"].startswith("int")), 0)
-    return {"inputs": {names[0]: [[lo + (j % 97) for j in range(seq)]], **{n: [[1] * seq] for n in names[1:]}}}
+def request_body(manifest: dict, seq: int = 64, batch: int = 1) -> dict:
+    """A /predict body for a token model: ids within the first input's value range, the other inputs
+    (masks) all ones (True for bool)."""
+    specs = manifest["inputs"]
+    lo = specs[0].get("range", [0, 0])[0]
+    ids = [[lo + (j * 7 + r) % 97 for j in range(seq)] for r in range(batch)]
+    rest = {s["name"]: [[True if s["dtype"] == "bool" else 1] * seq for _ in range(batch)] for s in specs[1:]}
+    return {"inputs": {specs[0]["name"]: ids, **rest}}
 
 
 def p50(client, body: dict, requests: int, seconds: float) -> float:

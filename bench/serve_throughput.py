@@ -1,6 +1,7 @@
 """Requests per second through `precompile serve`, for one worker process and for several.
 
     .venv/bin/python bench/serve_throughput.py ARTIFACT [--workers 1 2] [--clients 8] [--seconds 5] [--batch 4] [--seq 128]
+        [--serve-args "--batch --max-batch 8 --max-delay-ms 2"]
 
 Starts the server on a free loopback port for each worker count, waits for /readyz, then runs
 ``--clients`` client processes posting the same request for ``--seconds`` and prints requests per
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import random
 import signal
 import socket
 import statistics
@@ -44,14 +44,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--serve-args", default="", help="more options for precompile serve, e.g. '--batch --max-batch 8'")
     args = parser.parse_args()
+    import json
+    from pathlib import Path
+
     import httpx
 
-    rng = random.Random(0)
-    body = {"inputs": {
-        "ids": [[rng.randrange(50) for _ in range(args.seq)] for _ in range(args.batch)],
-        "mask": [[True] * args.seq for _ in range(args.batch)],
-    }}
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.contention import request_body
+
+    body = request_body(json.loads((Path(args.artifact) / "manifest.json").read_text()), args.seq, args.batch)
     print(f"{args.artifact}: batch {args.batch}, seq {args.seq}, {args.clients} clients, {os.cpu_count()} cores")
     print(f"{'workers':>7} {'req/s':>8} {'p50 ms':>7}")
     for workers in args.workers:
@@ -61,7 +64,7 @@ def main() -> None:
         base = f"http://127.0.0.1:{port}"
         server = subprocess.Popen(
             [sys.executable, "-m", "precompile", "serve", args.artifact, "--port", str(port), "--workers", str(workers),
-             "--log-level", "warning"],
+             "--log-level", "warning", *args.serve_args.split()],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         try:
