@@ -142,21 +142,17 @@ class CompiledModel:
         split policy ran pieces on several)."""
         tensors, sizes = self._guard.check(args, kwargs)
         key = tuple(sizes[d] for d in self._dim_order)
+        runs: list[tuple[str, float]] = []
         if self._policies is not None and self._policies.needed(sizes):
-            runs: list[tuple[str, float]] = []
             outputs, ids = self._policies.run(tensors, sizes, lambda t, s: self._run_timed(t, s, runs))
-            variant_id = "+".join(dict.fromkeys(ids))
         else:
-            variant, runner = self._dispatch(sizes)
-            start = time.perf_counter()
-            outputs = runner.run(tensors)
-            runs = [(variant.id, time.perf_counter() - start)]
-            variant_id = variant.id
+            outputs, ids = self._run_timed(tensors, sizes, runs)
+        variant_id = "+".join(dict.fromkeys(ids))
         self._count(key, runs)
         return self._outputs(outputs), variant_id
 
     def _run_timed(self, tensors: list, sizes: dict[str, int], runs: list[tuple[str, float]]) -> tuple[list, list]:
-        """One piece of a pad or split call: run it and note (variant, seconds) for ``_count``."""
+        """Run one call (or one piece of a pad or split call) and note (variant, seconds) for ``_count``."""
         variant, runner = self._dispatch(sizes)
         start = time.perf_counter()
         outputs = runner.run(tensors)

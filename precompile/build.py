@@ -284,14 +284,19 @@ def compile_variants(
     """
     jobs = default_jobs(len(tasks)) if jobs is None else max(1, min(jobs, len(tasks)))
     tuning = any(t.candidate for t in tasks)
-    results: dict[tuple[str, int], tuple[VariantPlan, CompiledPackage, float, dict[str, IndexTable]]] = {}
+    results: dict[tuple[str, int], tuple[VariantPlan, CompiledPackage, float]] = {}
+    tables: dict[str, IndexTable] = {}  # per input, the smallest table any variant's graph indexes
     failed: dict[tuple[str, int], str] = {}
     start = time.perf_counter()
 
     def finished(task: CompileTask, result=None, error: BaseException | None = None) -> None:
         if error is None:
-            results[(task.vp.id, task.candidate)] = result
-            progress.done("variant", task.label(tuning), result[2])
+            *package, found = result
+            results[(task.vp.id, task.candidate)] = tuple(package)
+            for name, table in found.items():
+                if name not in tables or table.rows < tables[name].rows:
+                    tables[name] = table
+            progress.done("variant", task.label(tuning), package[2])
             return
         progress.failed("variant", task.label(tuning), 0.0)
         if task.candidate == 0 or isinstance(error, ProfileError):
@@ -299,10 +304,7 @@ def compile_variants(
         failed[(task.vp.id, task.candidate)] = f"{type(error).__name__}: {error}"[:2000]
 
     if jobs == 1 and not tuning:
-        for task in tasks:
-            if task.candidate and max_seconds is not None and time.perf_counter() - start > max_seconds:
-                failed[(task.vp.id, task.candidate)] = f"not compiled: compile.tune.max_seconds ({max_seconds:g} s) reached"
-                continue
+        for task in tasks:  # one candidate: no tuning budget to watch
             try:
                 result = _compile_one(loaded, model, task, staging)
             except PrecompileError as e:
@@ -338,12 +340,7 @@ def compile_variants(
             for future, (_, executor) in running.items():  # a failure: the others' output dies with the staging folder
                 future.cancel()
                 executor.shutdown(wait=False, cancel_futures=True)
-    tables: dict[str, IndexTable] = {}
-    for *_, found in results.values():
-        for name, table in found.items():
-            if name not in tables or table.rows < tables[name].rows:
-                tables[name] = table
-    return {key: r[:3] for key, r in results.items()}, tables, failed
+    return results, tables, failed
 
 
 def default_jobs(tasks: int) -> int:
