@@ -30,8 +30,24 @@ def write_all(results: dict[str, Any], out: Path) -> list[Path]:
     json_path.write_text(json.dumps(results, indent=1), encoding="utf-8")
     charts = [cold_chart(results, out / COLD_CHART), steady_chart(results, out / STEADY_CHART)]
     md = out / "README.md"
-    md.write_text(markdown(results), encoding="utf-8")
+    md.write_text(markdown(results) + others(out), encoding="utf-8")
     return [json_path, md, *charts]
+
+
+# Benchmarks with their own command and page in the results folder (kept when ``python -m bench`` runs).
+OTHER_PAGES = {
+    "precision.md": "bf16 and int8 variants against eager, ONNX Runtime and OpenVINO (`python -m bench.precision`)",
+    "serve_load.md": "serving under concurrency, with and without dynamic batching (`python -m bench.serve_load`)",
+    "fleet.md": "sharded and Ray builds, object-store transfers and cold start from S3 (`python -m bench.fleet`)",
+}
+
+
+def others(out: Path) -> str:
+    """Links to the other benchmark pages present in ``out``."""
+    present = [(name, what) for name, what in OTHER_PAGES.items() if (out / name).is_file()]
+    if not present:
+        return ""
+    return "\n## Other benchmarks\n\n" + "".join(f"- [{name}]({name}): {what}\n" for name, what in present)
 
 
 # --- Markdown --------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 DEVICES = ("cpu", "cuda")
 
 VARIANT_KINDS = ("static", "dynamic")
+# Precisions a CPU variant may compute in (fp32: the model as written; bf16, int8: see precompile.precision).
+PRECISIONS = ("fp32", "bf16", "int8")
 
 # --- shipping: signature, pack, cache ------------------------------------------------------------
 

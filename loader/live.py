@@ -4,6 +4,7 @@
     outputs = live(ids, mask)
     live.swap("artifacts/text-classifier-v4")     # load + warm up aside, then swap in atomically
     live.watch(interval=2.0)                      # or follow "artifacts/current" as deploys replace it
+    loader.Live("s3://releases/models/text-classifier/current").watch()   # a pointer object in a store
 
 A swap loads the new artifact and warms up every variant while the old one goes on serving, checks
 it can stand in for the old one (same name, inputs and output structure; not an older version unless
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import constants as C
+from . import remote
 from .artifact import read_manifest
 from .errors import LoaderError
 from .manifest import Manifest
@@ -71,11 +73,13 @@ class Serving:
     """One loaded version: the model and where and when it came from."""
 
     model: CompiledModel
-    path: Path  # the artifact folder or pack, after following a pointer (link or file)
+    path: Path | str  # the artifact folder or pack (a URL for a remote one), after following a pointer
     digest: str  # of the manifest bytes as read, what a signature covers (names the files too)
     loaded_at: float  # time.time() when it was swapped in
     load_seconds: float  # loading plus warm-up
     in_flight: _InFlight = field(default_factory=lambda: _InFlight(), compare=False, repr=False)
+    # For a URL: the identity (loader.remote.identity) of the pointer object it was resolved through.
+    pointer: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -161,7 +165,12 @@ def resolve_pointer(path: str | os.PathLike) -> Path:
 
 def read_served_manifest(path: str | os.PathLike) -> Manifest:
     """The manifest of the artifact ``path`` designates (folder, pack, link or pointer file), read
-    without unpacking or hashing anything: for checks before a server starts."""
+    without unpacking or hashing anything: for checks before a server starts. A URL (a remote pack or
+    pointer) is fetched into the cache and checked as ``load()`` would, so the server's load finds it there."""
+    if remote.is_url(path):
+        from .source import open_artifact
+
+        return open_artifact(remote.resolve_pointer(str(path)).target).manifest
     target = resolve_pointer(path)
     if target.is_file():
         return read_head(target).manifest
@@ -195,7 +204,7 @@ class Live:
         check: Callable[[CompiledModel], None] | None = None,
         **load_options: Any,
     ):
-        self.source = Path(path) if path is not None else None
+        self.source = _source(path) if path is not None else None
         self.warmup = warmup
         self.allow_rollback = allow_rollback
         self.check = check
@@ -282,10 +291,15 @@ class Live:
         if requested is None:
             raise LoaderError("no artifact path: give one to swap() or to Live()")
         with self._swap_lock:
-            resolved: Path | None = None
+            resolved: Path | str | None = None
             version = None
+            pointer = None
             try:
-                resolved = resolve_pointer(requested)
+                if remote.is_url(requested):  # a pack in a store, or a pointer object naming one
+                    designated = remote.resolve_pointer(str(requested))
+                    resolved, pointer = designated.target, designated.identity
+                else:
+                    resolved = resolve_pointer(requested)
                 start = time.perf_counter()
                 model = load(resolved, **self.load_options)
                 version = model.manifest.version
@@ -301,7 +315,7 @@ class Live:
                         self.check(model)
                     except Exception as e:
                         raise SwapError(f"{resolved}: refused by the check: {type(e).__name__}: {e}") from e
-                new = Serving(model, resolved, digest, time.time(), time.perf_counter() - start)
+                new = Serving(model, resolved, digest, time.time(), time.perf_counter() - start, pointer=pointer)
             except Exception as e:
                 self._attempted(SwapAttempt(str(requested), _str(resolved), False, _message(e), version))
                 if isinstance(e, LoaderError):
@@ -370,9 +384,11 @@ class Live:
 
         Every ``interval`` seconds, if it designates another artifact or that artifact's manifest (or
         pack) changed, swap to it. A refused version is not retried until the path changes again; ``last_attempt``
-        says why it was refused.
+        says why it was refused. ``path`` may be a URL: a pointer object in a store (``s3://.../current``)
+        or a pack; each look asks the store for its ETag and size only (``loader.remote.identity``), and
+        a change loads the pack it names now, through the cache like any URL.
         """
-        target = Path(path) if path is not None else self.source
+        target = _source(path) if path is not None else self.source
         if target is None:
             raise LoaderError("nothing to watch: give a path to watch() or to Live()")
         if interval <= 0:
@@ -383,12 +399,17 @@ class Live:
         self._watcher = threading.Thread(target=self._watch_loop, args=(target, interval), name="live-watch", daemon=True)
         self._watcher.start()
 
-    def _watch_loop(self, target: Path, interval: float) -> None:
+    def _watch_loop(self, target: Path | str, interval: float) -> None:
         serving = self._serving
-        last = _identity(serving.path) if serving is not None else None
+        if serving is None:
+            last = None
+        elif remote.is_url(target):
+            last = serving.pointer
+        else:
+            last = _identity(serving.path) if not remote.is_url(serving.path) else None
         while not self._watch_stop.wait(interval):
             try:
-                seen = _identity(resolve_pointer(target))
+                seen = remote.identity(target) if remote.is_url(target) else _identity(resolve_pointer(target))
             except (OSError, LoaderError):
                 continue  # mid-replacement or gone for a moment: look again next time
             if seen == last:
@@ -428,6 +449,11 @@ class Live:
         if serving is None:
             return "<Live: nothing loaded>"
         return f"<Live {serving.name!r} version {serving.version} from {str(serving.path)!r}>"
+
+
+def _source(path: str | os.PathLike) -> Path | str:
+    """A URL stays a string (``Path`` would fold its ``//``); anything else is a path."""
+    return path if remote.is_url(path) else Path(path)
 
 
 def _signature(inputs) -> str:

@@ -105,6 +105,11 @@ class Variant:
     # The package carries its own constants (frozen, oneDNN-prepacked weights that have no storage
     # safetensors could hold); ``constants`` is then empty and the runner is given none.
     embedded_constants: bool = False
+    # fp32, or a lower precision the build's gate measured (gate: accuracy against fp32 eager, speed
+    # against the fp32 twin); cpu_features: what the host's CPU must have to run its kernels.
+    precision: str = "fp32"
+    cpu_features: tuple[str, ...] = ()
+    gate: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -120,6 +125,10 @@ class Variant:
         }
         if self.embedded_constants:  # only when set: artifacts without such variants stay readable by older loaders
             out["embedded_constants"] = True
+        if self.precision != "fp32":  # older loaders refuse such a variant rather than serve it blind to its CPU needs
+            out["precision"] = self.precision
+            out["cpu_features"] = list(self.cpu_features)
+            out["gate"] = self.gate
         return out
 
 
@@ -143,6 +152,22 @@ class CudaInfo:
             "cuda_graphs": self.cuda_graphs,
             "device_name": self.device_name,
         }
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How ``loader.Batcher`` may batch calls, as the profile's ``batching:`` section said and the
+    build checked: concatenate along ``dim`` (one axis of every input and, per ``output_dims``, of
+    every output), and pad the ``pad`` dims to a common size with ``pad_value`` per input, cutting
+    every output axis that follows them back to each caller's size."""
+
+    dim: str
+    pad: tuple[str, ...] = ()
+    pad_value: dict[str, float] = field(default_factory=dict)  # per input holding a padded dim
+    checked: dict[str, Any] = field(default_factory=dict)  # what the build compared: samples, max_abs_error
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dim": self.dim, "pad": list(self.pad), "pad_value": dict(self.pad_value), "checked": self.checked}
 
 
 @dataclass(frozen=True)
@@ -176,9 +201,10 @@ class Manifest:
     # Per flat output, per axis: the dim that axis follows (None: fixed). Needed by pad and split.
     output_dims: tuple[tuple[str | None, ...], ...] | None = None
     cuda: CudaInfo | None = None  # present when the artifact has CUDA variants
+    batching: Batching | None = None  # the profile's checked batching section
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": C.FORMAT_NAME,
             "format_version": C.FORMAT_VERSION,
             "name": self.name,
@@ -206,6 +232,9 @@ class Manifest:
             "output_dims": None if self.output_dims is None else [list(axes) for axes in self.output_dims],
             "cuda": None if self.cuda is None else self.cuda.to_dict(),
         }
+        if self.batching is not None:  # only when set: artifacts without it stay readable by older loaders
+            out["batching"] = self.batching.to_dict()
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
@@ -293,11 +322,11 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
     top_keys = {
         "format", "format_version", "name", "torch_version", "precompile_version", "created",
         "target", "inputs", "dims", "output", "variants", "constants", "files", "check", "version", "expires",
-        "policy", "pad_value", "output_dims", "cuda",
+        "policy", "pad_value", "output_dims", "cuda", "batching",
     }
     if isinstance(raw, dict) and raw.get("format") != C.FORMAT_NAME:
         raise r.fail("format", f"not {C.FORMAT_NAME!r}: this is not a precompile artifact's manifest")  # never echo the file
-    raw = r.obj(raw, "manifest", top_keys, optional={"check", "version", "expires", "policy", "pad_value", "output_dims", "cuda"})
+    raw = r.obj(raw, "manifest", top_keys, optional={"check", "version", "expires", "policy", "pad_value", "output_dims", "cuda", "batching"})
     version = r.int(raw["format_version"], "format_version", 0, MAX_INT)
     if version != C.FORMAT_VERSION:
         raise r.fail(
@@ -355,8 +384,8 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         v = r.obj(
             item,
             where,
-            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants"},
-            optional={"device", "dtype", "constant_prefix", "embedded_constants"},
+            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants", *PRECISION_KEYS},
+            optional={"device", "dtype", "constant_prefix", "embedded_constants", *PRECISION_KEYS},
         )
         vid = r.str(v["id"], f"{where}.id", VARIANT_ID_RE)
         kind = r.str(v["kind"], f"{where}.kind", choices=C.VARIANT_KINDS)
@@ -388,7 +417,8 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         for c in consts:
             if prefix + c not in constants:
                 raise r.fail(f"{where}.constants", f"{prefix + c!r} is not declared in constants")
-        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded))
+        precision, features, gate = _parse_precision(r, v, where, device)
+        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded, precision, features, gate))
     if not variants:
         raise r.fail("variants", "the artifact has no variants")
     if len({v.id for v in variants}) != len(variants):
@@ -471,6 +501,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         pad_value=pad_value,
         output_dims=output_dims,
         cuda=cuda,
+        batching=_parse_batching(r, raw.get("batching"), dims, inputs, output_dims),
     )
 
 
@@ -498,6 +529,71 @@ def _parse_inputs(r: _Reader, value: Any, dims: dict[str, DimRange]) -> tuple[In
     if len({i.name for i in inputs}) != len(inputs):
         raise r.fail("inputs", "input names are not unique")
     return tuple(inputs)
+
+
+def _parse_batching(
+    r: _Reader, value: Any, dims: dict[str, DimRange], inputs: tuple[InputSpec, ...], output_dims
+) -> Batching | None:
+    """The ``batching`` section: the batch dim on exactly one axis of every input and every output,
+    padded dims that exist, a finite pad value for every input holding one (within its value range)."""
+    if value is None:
+        return None
+    b = r.obj(value, "batching", {"dim", "pad", "pad_value", "checked"})
+    dim = r.str(b["dim"], "batching.dim")
+    if dim not in dims:
+        raise r.fail("batching.dim", f"{dim!r} is not a dim of this artifact")
+    for spec in inputs:
+        if sum(s == dim for s in spec.shape) != 1:
+            raise r.fail("batching.dim", f"input {spec.name!r} does not have {dim!r} on exactly one axis")
+    if output_dims is None:
+        raise r.fail("batching", "needs output_dims")
+    for i, axes in enumerate(output_dims):
+        if sum(a == dim for a in axes) != 1:
+            raise r.fail("batching.dim", f"output {i} does not follow {dim!r} on exactly one axis")
+    pad = tuple(r.str(d, f"batching.pad[{i}]") for i, d in enumerate(r.list(b["pad"], "batching.pad", max_len=64)))
+    for i, d in enumerate(pad):
+        if d not in dims or d == dim or d in pad[:i]:
+            raise r.fail(f"batching.pad[{i}]", f"{d!r} is not a dim of this artifact other than the batch dim, once")
+    raw_values = b["pad_value"]
+    if not isinstance(raw_values, dict):
+        raise r.fail("batching.pad_value", f"expected an object, got {_kind(raw_values)}")
+    padded = {spec.name: spec for spec in inputs if set(pad).intersection(s for s in spec.shape if isinstance(s, str))}
+    if set(raw_values) != set(padded):
+        raise r.fail("batching.pad_value", f"must give a value for exactly the inputs {sorted(padded)}")
+    pad_value = {}
+    for name, v in raw_values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) > 1e300:
+            raise r.fail(f"batching.pad_value.{name}", f"expected a finite number, got {_kind(v)}")
+        if padded[name].range is not None and v not in padded[name].range:
+            raise r.fail(f"batching.pad_value.{name}", f"{v:g} is outside the input's value range {padded[name].range}")
+        pad_value[name] = float(v)
+    checked = b["checked"]
+    if not isinstance(checked, dict):
+        raise r.fail("batching.checked", f"expected an object, got {_kind(checked)}")
+    return Batching(dim, pad, pad_value, checked)
+
+
+PRECISION_KEYS = ("precision", "cpu_features", "gate")
+CPU_FEATURE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
+
+
+def _parse_precision(r: _Reader, v: dict, where: str, device: str) -> tuple[str, tuple[str, ...], dict[str, Any] | None]:
+    """A variant's precision, the CPU features it needs and its gate record (fp32 variants have none)."""
+    precision = r.str(v.get("precision", "fp32"), f"{where}.precision", choices=C.PRECISIONS)
+    if precision == "fp32":
+        if v.get("cpu_features") or v.get("gate") is not None:
+            raise r.fail(where, "an fp32 variant has no cpu_features or gate")
+        return precision, (), None
+    if device != "cpu":
+        raise r.fail(f"{where}.precision", f"{precision} variants are CPU variants, this one is for {device}")
+    features = tuple(
+        r.str(f, f"{where}.cpu_features[{j}]", CPU_FEATURE_RE)
+        for j, f in enumerate(r.list(v.get("cpu_features", []), f"{where}.cpu_features", max_len=32))
+    )
+    gate = v.get("gate")
+    if gate is not None and not isinstance(gate, dict):
+        raise r.fail(f"{where}.gate", f"expected an object, got {_kind(gate)}")
+    return precision, features, gate
 
 
 def _check_pad_values(r: _Reader, inputs: tuple[InputSpec, ...], policy: dict[str, str], pad_value: dict[str, float]) -> None:

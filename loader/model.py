@@ -22,6 +22,7 @@ from .guards import TORCH_DTYPES, InputGuard
 from .manifest import Manifest, OutputSpec, Variant
 from .cuda import GraphedRunner, parse_device
 from .policy import Policies
+from .precision import REQUESTS, Choice, choose
 from .source import open_artifact
 from .threads import fit_threads
 from .weights import MappedWeights
@@ -57,6 +58,7 @@ class CompiledModel:
         device_weights: dict[str, torch.Tensor] | None = None,
         copy_inputs: bool = False,
         digest: str | None = None,
+        precision: Choice = Choice(("fp32",)),
     ):
         self.path = root
         self.manifest = manifest
@@ -68,6 +70,7 @@ class CompiledModel:
         self._device_weights = device_weights  # constants copied to a GPU, used in place by the runners
         self._runners = runners
         self._variants = tuple(v for v in manifest.variants if v.id in runners)
+        self.precision = precision  # the precisions served, preferred first, and why others are not
         self._guard = InputGuard(
             manifest.inputs,
             manifest.dims,
@@ -84,17 +87,27 @@ class CompiledModel:
         self.reset_stats()
 
     def _index_tables(self) -> None:
+        # One table pair per tier of precisions served (loader.precision.Choice.tiers), preferred
+        # first: a call runs on the first tier with a variant for its shape (the build made every
+        # precision's variants alike, but its gate may have dropped some).
+        self._tiers = []
+        for tier in self.precision.tiers(self._variants):
+            static, dynamic = self._tables(tier)
+            if static or dynamic:
+                self._tiers.append((static, dynamic))
+
+    def _tables(self, variants: list[Variant]) -> tuple[dict, list]:
         runners = self._runners
-        self._static: dict[tuple[int, ...], tuple[Variant, Any]] = {}
+        static: dict[tuple[int, ...], tuple[Variant, Any]] = {}
         dynamic = []
-        for v in self._variants:
+        for v in variants:
             if v.kind == "static":
-                self._static[tuple(v.dims[d].min for d in self._dim_order)] = (v, runners[v.id])
+                static[tuple(v.dims[d].min for d in self._dim_order)] = (v, runners[v.id])
             else:
                 dynamic.append(v)
         # Tightest range first, so a call lands on the most specific variant that holds it.
         dynamic.sort(key=lambda v: _volume(v))
-        self._dynamic = [(v, runners[v.id], [(d, v.dims[d].min, v.dims[d].max) for d in self._dim_order]) for v in dynamic]
+        return static, [(v, runners[v.id], [(d, v.dims[d].min, v.dims[d].max) for d in self._dim_order]) for v in dynamic]
 
     @property
     def name(self) -> str:
@@ -192,7 +205,11 @@ class CompiledModel:
         with self._stats_lock:
             return {
                 "calls": self._total,
-                "variants": {vid: {"calls": c, "pieces": p, "seconds": s} for vid, (c, p, s) in self._calls.items()},
+                "variants": {
+                    vid: {"calls": c, "pieces": p, "seconds": s, "precision": self._precision_of[vid]}
+                    for vid, (c, p, s) in self._calls.items()
+                },
+                "precision": {"served": list(self.precision.order), "skipped": dict(self.precision.skipped)},
                 "shapes": [
                     {"dims": dict(zip(self._dim_order, key)), "count": n}
                     for key, n in sorted(self._shapes.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -204,6 +221,7 @@ class CompiledModel:
         with self._stats_lock:
             self._total = 0
             self._calls = {vid: [0, 0, 0.0] for vid in self._runners}  # calls, pieces, seconds
+            self._precision_of = {v.id: v.precision for v in self._variants}
             self._shapes = {}
             self._shapes_dropped = 0
 
@@ -245,16 +263,17 @@ class CompiledModel:
         return _unflatten(self._output, iter(outputs))
 
     def _dispatch(self, sizes: dict[str, int]) -> tuple[Variant, Any]:
-        if self._static:
-            hit = self._static.get(tuple(sizes[d] for d in self._dim_order))
-            if hit is not None:
-                return hit
-        for v, runner, bounds in self._dynamic:
-            for d, lo, hi in bounds:
-                if not lo <= sizes[d] <= hi:
-                    break
-            else:
-                return v, runner
+        for static, dynamic in self._tiers:
+            if static:
+                hit = static.get(tuple(sizes[d] for d in self._dim_order))
+                if hit is not None:
+                    return hit
+            for v, runner, bounds in dynamic:
+                for d, lo, hi in bounds:
+                    if not lo <= sizes[d] <= hi:
+                        break
+                else:
+                    return v, runner
         shape = ", ".join(f"{d}={sizes[d]}" for d in self._dim_order)
         covered = "; ".join(f"{v.id}: " + ", ".join(f"{d} {v.dims[d]}" for d in self._dim_order) for v in self._variants)
         raise GuardError(f"no compiled variant covers {shape} (variants: {covered})", reason="no_variant")
@@ -293,6 +312,7 @@ def load(
     state_dir: str | os.PathLike | None = None,
     copy_inputs: bool = False,
     threads: int | None = None,
+    precision: str = "auto",
 ) -> CompiledModel:
     """Load an artifact built by ``precompile build``, from its folder or a pack (``precompile pack``),
     and return a callable model.
@@ -311,6 +331,10 @@ def load(
       CPUs the process really gets (affinity mask, cgroup CPU quota); a ThreadingWarning says when
       the threading will still hurt (spin-waiting OpenMP threads on a shared host: set
       OMP_WAIT_POLICY=PASSIVE before starting Python).
+    - ``precision``: ``"auto"`` serves the bf16/int8 variants the build's gate kept (fastest first) where
+      this CPU has the features they need, fp32 elsewhere; ``"fp32"`` only fp32; ``"bf16"``/``"int8"``
+      that precision first (IncompatibleArtifactError when the artifact or this CPU has none). The
+      model's ``precision`` says what it serves; ``stats()`` and the variant ids (``int8-v0``) too.
 
     Raises ArtifactError for a missing, unreadable or corrupt artifact, IncompatibleArtifactError when
     it was built for another host, and UntrustedArtifactError when it fails the trust policy; all of
@@ -320,6 +344,8 @@ def load(
     >>> logits = model(ids, mask)          # same arguments and result structure as forward()
     >>> model = load("text-classifier.tar.zst", trusted_keys=["release.pub"], refuse_rollback=True)
     """
+    if precision not in REQUESTS:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
     fit_threads(threads)
     opened = open_artifact(
         path,
@@ -335,16 +361,26 @@ def load(
         root, manifest, device = opened.root, opened.manifest, opened.device
         weights = opened.weights()
         _check_constants(manifest, weights)
-        runners, device_weights = _open_runners(root, manifest, weights, device)
+        kind = parse_device(device)[0]
+        choice = choose([v for v in manifest.variants if v.device == kind], precision, host_cpu_features(), str(root))
+        runners, device_weights = _open_runners(root, manifest, weights, device, choice)
         model = CompiledModel(
-            root, manifest, weights, runners, device, device_weights=device_weights, copy_inputs=copy_inputs, digest=opened.digest
+            root,
+            manifest,
+            weights,
+            runners,
+            device,
+            device_weights=device_weights,
+            copy_inputs=copy_inputs,
+            digest=opened.digest,
+            precision=choice,
         )
         opened.loaded()
     return model
 
 
 def _open_runners(
-    root: Path, manifest: Manifest, weights: MappedWeights, device: str
+    root: Path, manifest: Manifest, weights: MappedWeights, device: str, precision: Choice = Choice(("fp32",))
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Open the variants for ``device`` and hand each its constants; return the runners and the
     constants copied to the device (they must live as long as the runners).
@@ -357,7 +393,7 @@ def _open_runners(
     on_device: dict[str, torch.Tensor] = {}
     runners = {}
     for v in manifest.variants:
-        if v.device != kind:
+        if v.device != kind or not precision.serves(v):
             continue
         try:
             runner = open_package(str(root / v.file), single_threaded=graphs and v.kind == "static", device_index=index)
@@ -415,6 +451,12 @@ def _check_constants(manifest: Manifest, weights: MappedWeights) -> None:
                 f"{weights.path}: constant {name!r} is {t.dtype} {tuple(t.shape)}, "
                 f"the compiled code expects {spec.dtype} {spec.shape}"
             )
+
+
+def host_cpu_features() -> frozenset[str]:
+    from .host import cpu_features
+
+    return cpu_features()
 
 
 def _first_line(e: BaseException) -> str:

@@ -13,6 +13,10 @@ A remote pack is fetched into the local cache once and then treated exactly as a
   asks the store for the object's ETag only (one small request); when it matches and the entry is
   there, nothing is downloaded. A record is trusted only if this user owns it, like the cache itself.
 
+A pointer object (``<url>/<name>/current``, holding ``7.tar.zst``) designates the pack to serve, so a
+deploy is one small write (``precompile promote``); ``resolve_pointer`` reads it and ``identity`` is
+what ``Live.watch`` polls (ETag and size: one metadata request per look).
+
 fsspec (and s3fs for ``s3://``) is imported only for URLs: ``import loader`` stays light.
 Credentials come the standard way (for S3: the AWS environment variables and config files); an S3
 compatible endpoint is ``PRECOMPILE_S3_ENDPOINT_URL``, else ``AWS_ENDPOINT_URL``, which botocore reads.
@@ -26,6 +30,7 @@ import os
 import re
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -107,11 +112,96 @@ def retried(url: str, what: str, call: Callable[[], T]) -> T:
 
 def stat(fs: Any, path: str, url: str) -> tuple[str | None, int]:
     """The object's ETag (None if the store gives none) and size."""
-    info = retried(url, "reach the store", lambda: fs.info(path))
-    if info.get("type") not in (None, "file"):
-        raise ArtifactError(f"{url}: not an object (a folder?); give the URL of a .tar.zst pack")
+    info = _info(fs, path, url)
     etag = info.get("ETag") or info.get("etag")
     return (str(etag) if etag is not None else None), int(info.get("size") or 0)
+
+
+def _info(fs: Any, path: str, url: str) -> dict[str, Any]:
+    info = retried(url, "reach the store", lambda: fs.info(path))
+    if info.get("type") not in (None, "file"):
+        raise ArtifactError(f"{url}: not an object (a folder?); give the URL of a .tar.zst pack or a pointer")
+    return info
+
+
+# --- pointers: a deploy is one small object write ----------------------------------------------------
+
+POINTER_MAX_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class RemotePointer:
+    """What a URL designates now: itself when it is a pack, else the pack its pointer object names."""
+
+    url: str  # as asked for
+    target: str  # the pack's URL
+    identity: tuple[str, ...]  # of the object at ``url``, as ``identity(url)`` returns it
+
+
+def identity(url: str) -> tuple[str, ...]:
+    """What tells a watcher that the object at ``url`` changed: its ETag and size, or its modification
+    time and size where the store gives no ETag. One metadata request; nothing is downloaded."""
+    fs, path = filesystem(url)
+    return _identity(_info(fs, path, url))
+
+
+def _identity(info: dict[str, Any]) -> tuple[str, ...]:
+    size = str(info.get("size") or 0)
+    etag = info.get("ETag") or info.get("etag")
+    if etag is not None:
+        return ("etag", str(etag), size)
+    return ("mtime", str(info.get("LastModified") or info.get("mtime") or info.get("last_modified")), size)
+
+
+def resolve_pointer(url: str) -> RemotePointer:
+    """The pack ``url`` designates: ``url`` itself when it is a pack (named ``*.tar.zst``, or any name
+    whose bytes are a pack's), else the pack its pointer object names. A pointer is a small text object
+    whose first line is the pack's name relative to the pointer's folder (``7.tar.zst``: what
+    ``precompile promote`` writes) or a full URL in the same kind of store.
+
+    ArtifactError naming ``url`` for anything else; like a pointer file on disk, an error never quotes
+    the object's content.
+    """
+    fs, path = filesystem(url)
+    info = _info(fs, path, url)
+    seen = _identity(info)
+    if url.endswith(C.PACK_SUFFIX):
+        return RemotePointer(url, url, seen)
+    size = int(info.get("size") or 0)
+    if size == 0:
+        raise ArtifactError(f"{url}: the pointer is empty; write the pack's name in it (precompile promote)")
+    head = retried(url, "read the pointer", lambda: fs.cat_file(path, start=0, end=min(size, POINTER_MAX_BYTES)))
+    if head.startswith(C.ZSTD_MAGIC):
+        return RemotePointer(url, url, seen)
+    not_a_pointer = ArtifactError(
+        f"{url}: not a pack nor a pointer naming one (a pointer holds one line: the pack's name relative to "
+        "the pointer's folder, such as 7.tar.zst, or its full URL)"
+    )
+    if size > POINTER_MAX_BYTES:
+        raise not_a_pointer
+    try:
+        lines = head.decode("utf-8", errors="strict").strip().splitlines()
+    except UnicodeDecodeError:
+        raise not_a_pointer from None
+    line = lines[0].strip() if lines else ""
+    if not line:
+        raise ArtifactError(f"{url}: the pointer is empty; write the pack's name in it (precompile promote)")
+    return RemotePointer(url, pointer_target(url, line, not_a_pointer), seen)
+
+
+def pointer_target(url: str, name: str, refused: ArtifactError) -> str:
+    """The URL a pointer at ``url`` holding ``name`` designates: ``name`` itself when it is a URL of the
+    same scheme (a pointer never sends a loader to the local disk or another kind of store), else
+    ``name`` in the pointer's folder (no ``..``: name another folder by its full URL)."""
+    scheme = url.split("://", 1)[0]
+    if is_url(name):
+        if name.split("://", 1)[0] != scheme:
+            raise refused
+        return name
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in name:
+        raise refused
+    return f"{url.rsplit('/', 1)[0]}/{name}"
 
 
 def download(fs: Any, path: str, url: str, write: Callable[[bytes], Any] | None, size: int) -> str:

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import copy
 import datetime
-import multiprocessing
 import os
 import platform
 import shutil
 import statistics
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,11 +29,24 @@ from loader.guards import TORCH_DTYPES
 from loader.manifest import CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
 
 from . import __version__
+from .batching import check_batching
 from .check import CheckReport, check_policies, check_policy_outputs, compare, flatten, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
 from .errors import CompileError, ModelError, PrecompileError, ProfileError
-from .export import export_hints, export_model
+from .executors import CompileJob, Executor
+from .executors.local import LocalExecutor
+from .export import export_hints
 from .plan import Plan, VariantPlan, make_plan, read_distribution
+from .precision import (
+    PRECISION_OPTIONS,
+    GateResult,
+    base_id,
+    calibration_inputs,
+    expand_precisions,
+    export_variant,
+    gate_precisions,
+    needed_features,
+)
 from .profile import LoadedProfile, Profile, load_profile
 from .progress import Progress
 from .resolve import resolve_model
@@ -65,6 +75,27 @@ class BuildResult:
     measured: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass
+class Prepared:
+    """What every build stage after ``prepare`` works from: the checked profile and its plan, the
+    variants to compile, the model and what its eager outputs look like."""
+
+    loaded: LoadedProfile
+    plan: Plan
+    devices: tuple[str, ...]
+    cuda: CudaInfo | None
+    variants: list[VariantPlan]
+    model: torch.nn.Module
+    out_spec: OutputSpec
+    output_dims: Any
+    batching: Any
+    candidates: list[dict[str, Any]]
+
+    def tasks(self) -> list[CompileTask]:
+        """Every unit of compile work: a variant (per target and precision) under one option set."""
+        return compile_tasks(self.variants, self.candidates)
+
+
 def build(
     profile_path: str | Path,
     output: str | Path | None = None,
@@ -73,106 +104,170 @@ def build(
     version: int = 1,
     expires: str | None = None,
     jobs: int | None = None,
+    executor: Executor | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> BuildResult:
     """Build the artifact a profile describes; return where it is, its plan and what was checked.
 
     ``output`` defaults to ``artifacts/<name>``. ``version`` (increasing per release of a name) and
     ``expires`` (ISO 8601 with a time zone) go into the manifest for the loader's rollback and
-    expiry checks. ``jobs`` variants compile at once (default: one per core). Raises a
-    PrecompileError subclass for anything the user can fix; on any failure nothing is left at
-    ``output`` but what was there before.
+    expiry checks. ``jobs`` variants compile at once (default: one per core); ``executor`` runs them
+    elsewhere (precompile.executors: ``executor_named("ray", address=...)``). ``shard=(k, n)``
+    compiles only the k-th of n shares of the units into a part for ``precompile.shard.assemble``
+    (``output`` defaults to ``artifacts/<name>.part-k-of-n``). Raises a PrecompileError subclass for
+    anything the user can fix; on any failure nothing is left at ``output`` but what was there before.
     """
     progress = progress or Progress()
     _check_expires(expires)
+    prepared = prepare(profile_path, progress)
+    profile = prepared.loaded.profile
+    if shard is not None:
+        from .shard import build_part
+
+        return build_part(prepared, shard, output, jobs=jobs, executor=executor, progress=progress)
+    target = Path(output) if output is not None else Path("artifacts") / profile.name
+    staging = staging_folder(target)
+    try:
+        (staging / C.VARIANTS_DIR).mkdir()
+        budget = profile.compile.tune.max_seconds if profile.compile.tune is not None else None
+        compiled, tables, failed = compile_variants(
+            prepared.loaded, prepared.model, prepared.tasks(), staging, jobs=jobs, progress=progress, max_seconds=budget, executor=executor
+        )
+        return finish(prepared, compiled, tables, failed, staging, target, progress=progress, version=version, expires=expires)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def prepare(profile_path: str | Path, progress: Progress) -> Prepared:
+    """Stages profile and resolve: parse and plan, the variants per target and precision, the model
+    run once in eager, and every check of the profile that needs no compiling."""
+    quiet_third_party_warnings()
     with progress.stage("profile", str(profile_path)):
         loaded = load_profile(profile_path)
         profile = loaded.profile
         plan = make_plan(loaded)
-    target = Path(output) if output is not None else Path("artifacts") / profile.name
     devices = usable_targets(profile, progress)
     cuda = cuda_info(profile) if "cuda" in devices else None
-    variants = expand_targets(plan, devices, profile)
+    variants = expand_precisions(expand_targets(plan, devices, profile), profile)
     with progress.stage("resolve", profile.model.factory):
         model = resolve_model(loaded)
         args = make_inputs(profile, plan.variants[-1].hint, seed=profile.check.seed)
         try:
-            eager_out = run_eager(model, args)
-        except ModelError:
-            explain_eager_failure(loaded, model, plan.variants[-1].hint)  # a range past a table, if that is why
+            eager_out = run_eager(model, args, profile=profile, sizes=plan.variants[-1].hint)
+        except ModelError as e:
+            explain_eager_failure(loaded, model, plan.variants[-1].hint, e)  # a range past a table, if that is why
             raise
         out_spec = output_spec(eager_out)
         output_dims = _output_dims(loaded, flatten(eager_out), plan.variants[-1].hint)
         check_policy_outputs(loaded)
-    staging = staging_folder(target)
-    try:
-        (staging / C.VARIANTS_DIR).mkdir()
-        candidates = profile.compile.candidates()
-        budget = profile.compile.tune.max_seconds if profile.compile.tune is not None else None
-        compiled, tables, failed = compile_variants(
-            loaded, model, compile_tasks(variants, candidates), staging, jobs=jobs, progress=progress, max_seconds=budget
-        )
-        loaded, notes = with_value_ranges(loaded, tables)
-        profile = loaded.profile
-        for level, text in notes:
-            progress.note(f"[yellow]warning[/]: {text}" if level == "warning" else text)
-        trials: list[Trial] = []
-        if len(candidates) > 1:
-            with progress.stage("tune", f"{len(candidates)} option sets per variant, timed on its traffic"):
-                packages, trials = tune_variants(loaded, model, variants, compiled, failed, candidates, read_distribution(loaded))
-            for vp in variants:
-                progress.note(describe([t for t in trials if t.variant == vp.id]))
-        else:
-            packages = [compiled[(vp.id, 0)][:2] for vp in variants]
-        kept = {t.variant: t.candidate for t in trials if t.kept}
-        seconds = {vp.id: compiled[(vp.id, kept.get(vp.id, 0))][2] for vp in variants}
-        with progress.stage("write", str(target)):
-            manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda)
-        with progress.stage("check", "compiled vs eager, every variant"):
-            report = check_artifact(loaded, model, staging, [vp for vp, _ in packages])
-            check_policies(loaded, model, staging, report)
-        measured: list[dict[str, Any]] = []
-        if profile.plan.measure and any(v.kind == "static" for v in variants):
-            with progress.stage("measure", f"static variants must be ≥ {profile.plan.min_speedup}× faster"):
-                for device in devices:
-                    measured += measure_statics(loader.load(staging, device=device), profile)
-            dropped = {m["variant"] for m in measured if not m["kept"]}
-            for m in measured:
-                progress.note(
-                    f"{m['variant']}: {m['static_ms']:.3f} ms static vs {m['dynamic_ms']:.3f} ms dynamic "
-                    f"({m['speedup']:.2f}×) → {'kept' if m['kept'] else 'dropped'}"
-                )
-            if dropped:
-                for vp, pkg in packages:
-                    if vp.id in dropped:
-                        pkg.path.unlink()
-                packages = [(vp, pkg) for vp, pkg in packages if vp.id not in dropped]
-                manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda)
-        with progress.stage("write", "references and manifest"):
-            references = write_references(loaded, model, staging, [vp for vp, _ in packages])
-            manifest = replace(
-                manifest,
-                files=file_entries(staging),
-                check={
-                    "shapes": report.shapes,
-                    "max_abs_error": report.max_abs_error,
-                    "references": references,
-                    "measure": measured,
-                    "plan": plan.to_dict()["traffic"],
-                    **({"tuning": [t.to_dict() for t in trials]} if trials else {}),
-                },
-                version=version,
-                expires=expires,
+        if any(vp.precision != "fp32" for vp in variants):
+            calibration_inputs(loaded)  # a bad calibration file is the profile's error: before compiling
+        batching = check_batching(loaded, model)  # the batching: claim against eager, before anything compiles
+    return Prepared(loaded, plan, devices, cuda, variants, model, out_spec, output_dims, batching, profile.compile.candidates())
+
+
+def finish(
+    prepared: Prepared,
+    compiled: dict[tuple[str, int], tuple[VariantPlan, CompiledPackage, float]],
+    tables: dict[str, IndexTable],
+    failed: dict[tuple[str, int], str],
+    staging: Path,
+    target: Path,
+    *,
+    progress: Progress,
+    version: int = 1,
+    expires: str | None = None,
+) -> BuildResult:
+    """Everything after compiling, on the packages in ``staging``: value ranges from the index tables,
+    tuning, the precision gate, the manifest, the checks against eager, static measurements,
+    references; then publish ``staging`` at ``target``."""
+    loaded, model, plan, variants, candidates = prepared.loaded, prepared.model, prepared.plan, prepared.variants, prepared.candidates
+    devices, cuda, out_spec, output_dims = prepared.devices, prepared.cuda, prepared.out_spec, prepared.output_dims
+    loaded, notes = with_value_ranges(loaded, tables)
+    profile = loaded.profile
+    for level, text in notes:
+        progress.note(f"[yellow]warning[/]: {text}" if level == "warning" else text)
+    trials: list[Trial] = []
+    fp32 = [vp for vp in variants if vp.precision == "fp32"]
+    if len(candidates) > 1:
+        with progress.stage("tune", f"{len(candidates)} option sets per variant, timed on its traffic"):
+            packages, trials = tune_variants(loaded, model, fp32, compiled, failed, candidates, read_distribution(loaded))
+        for vp in fp32:
+            progress.note(describe([t for t in trials if t.variant == vp.id]))
+    else:
+        packages = [compiled[(vp.id, 0)][:2] for vp in fp32]
+    kept = {t.variant: t.candidate for t in trials if t.kept}
+    seconds = {vp.id: compiled[(vp.id, kept.get(vp.id, 0))][2] for vp in variants}
+    gates: list[GateResult] = []
+    lower = [vp for vp in variants if vp.precision != "fp32"]
+    if lower:
+        packages += [compiled[(vp.id, 0)][:2] for vp in lower]
+        with progress.stage("gate", f"{len(lower)} bf16/int8 variant(s): accuracy against fp32 eager, speed against fp32"):
+            packages, gates = gate_precisions(loaded, model, packages, read_distribution(loaded))
+        for g in gates:
+            progress.note(g.describe() if g.kept else f"[yellow]{g.describe()}[/]")
+    with progress.stage("write", str(target)):
+        manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda, gates)
+    with progress.stage("check", "compiled vs eager, every variant"):
+        report = check_artifact(loaded, model, staging, [vp for vp, _ in packages if vp.precision == "fp32"])
+        check_policies(loaded, model, staging, report)
+    measured: list[dict[str, Any]] = []
+    if profile.plan.measure and any(v.kind == "static" for v in variants):
+        with progress.stage("measure", f"static variants must be ≥ {profile.plan.min_speedup}× faster"):
+            for device in devices:
+                measured += measure_statics(loader.load(staging, device=device, precision="fp32"), profile)
+        dropped = {m["variant"] for m in measured if not m["kept"]}
+        dropped |= {vp.id for vp, _ in packages if vp.precision != "fp32" and base_id(vp) in dropped}  # their twins too
+        for m in measured:
+            progress.note(
+                f"{m['variant']}: {m['static_ms']:.3f} ms static vs {m['dynamic_ms']:.3f} ms dynamic "
+                f"({m['speedup']:.2f}×) → {'kept' if m['kept'] else 'dropped'}"
             )
-            parse_manifest(manifest.to_json())  # the loader must accept what we write
-            write_manifest(staging, manifest.to_json())
-            publish(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if dropped:
+            for vp, pkg in packages:
+                if vp.id in dropped:
+                    pkg.path.unlink()
+            packages = [(vp, pkg) for vp, pkg in packages if vp.id not in dropped]
+            manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda, gates)
+    with progress.stage("write", "references and manifest"):
+        references = write_references(loaded, model, staging, [vp for vp, _ in packages])
+        manifest = replace(
+            manifest,
+            files=file_entries(staging),
+            check={
+                "shapes": report.shapes,
+                "max_abs_error": report.max_abs_error,
+                "references": references,
+                "measure": measured,
+                "plan": plan.to_dict()["traffic"],
+                **({"tuning": [t.to_dict() for t in trials]} if trials else {}),
+                **({"precision": [dict(variant=g.variant, **g.to_dict()) for g in gates]} if gates else {}),
+            },
+            version=version,
+            expires=expires,
+            batching=prepared.batching,
+        )
+        parse_manifest(manifest.to_json())  # the loader must accept what we write
+        write_manifest(staging, manifest.to_json())
+        publish(staging, target)
     progress.note(
         f"{target}: {len(manifest.variants)} variant(s), {report.shapes} shapes checked, "
         f"max abs error {report.max_abs_error:.2e}"
     )
     return BuildResult(target, manifest, plan, report, seconds, measured)
+
+
+# Warnings printed on import by packages a model may pull in, that say nothing about the build:
+# torchao (imported by transformers when installed) lists each optional CUDA extension it cannot load
+# on a CPU host, and torch's pytree warns about torchao's enum registrations.
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_party_warnings() -> None:
+    import logging
+
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # --- targets -----------------------------------------------------------------------------------
@@ -251,6 +346,10 @@ def compile_tasks(variants: list[VariantPlan], candidates: list[dict[str, Any]])
     tasks = []
     for k, options in enumerate(candidates):
         for vp in variants:
+            if vp.precision != "fp32":  # one option set: the first candidate's, with freezing (precompile.precision)
+                if k == 0:
+                    tasks.append(CompileTask(vp, 0, {**DEFAULT_INDUCTOR_OPTIONS, **options, **PRECISION_OPTIONS}, f"{vp.id}{C.VARIANT_SUFFIX}"))
+                continue
             name = f"{vp.id}.c{k}{C.VARIANT_SUFFIX}" if tuning else f"{vp.id}{C.VARIANT_SUFFIX}"
             tasks.append(CompileTask(vp, k, {**DEFAULT_INDUCTOR_OPTIONS, **options}, name))
     return tasks
@@ -274,72 +373,50 @@ def compile_variants(
     jobs: int | None,
     progress: Progress,
     max_seconds: float | None = None,
+    executor: Executor | None = None,
 ) -> tuple[dict[tuple[str, int], tuple[VariantPlan, CompiledPackage, float]], dict[str, IndexTable], dict[tuple[str, int], str]]:
-    """Export and compile every task, ``jobs`` at a time, each in its own process.
+    """Export and compile every task through ``executor`` (default: on this host, ``jobs`` at a time,
+    each in its own process; see precompile.executors).
 
     Returns the packages by (variant id, candidate), the tables integer inputs index (from the
     exported graphs: precompile.values), and why each candidate that did not compile failed. A
     variant's first candidate failing fails the build; a later one failing is only recorded, and
     later candidates still pending after ``max_seconds`` are not compiled.
     """
-    jobs = default_jobs(len(tasks)) if jobs is None else max(1, min(jobs, len(tasks)))
     tuning = any(t.candidate for t in tasks)
     results: dict[tuple[str, int], tuple[VariantPlan, CompiledPackage, float]] = {}
     tables: dict[str, IndexTable] = {}  # per input, the smallest table any variant's graph indexes
     failed: dict[tuple[str, int], str] = {}
     start = time.perf_counter()
 
-    def finished(task: CompileTask, result=None, error: BaseException | None = None) -> None:
-        if error is None:
-            *package, found = result
-            results[(task.vp.id, task.candidate)] = tuple(package)
-            for name, table in found.items():
-                if name not in tables or table.rows < tables[name].rows:
-                    tables[name] = table
-            progress.done("variant", task.label(tuning), package[2])
-            return
-        progress.failed("variant", task.label(tuning), 0.0)
-        if task.candidate == 0 or isinstance(error, ProfileError):
-            raise error
-        failed[(task.vp.id, task.candidate)] = f"{type(error).__name__}: {error}"[:2000]
+    def admitted():
+        """The tasks, as the executor has room for them; candidates past the budget are skipped."""
+        for task in tasks:
+            if task.candidate and max_seconds is not None and time.perf_counter() - start > max_seconds:
+                failed[(task.vp.id, task.candidate)] = f"not compiled: compile.tune.max_seconds ({max_seconds:g} s) reached"
+                continue
+            yield task
 
-    if jobs == 1 and not tuning:
-        for task in tasks:  # one candidate: no tuning budget to watch
-            try:
-                result = _compile_one(loaded, model, task, staging)
-            except PrecompileError as e:
-                finished(task, error=e)
-            else:
-                finished(task, result)
-    else:
-        threads = max(1, (os.cpu_count() or 1) // jobs)  # Inductor's own compile workers, per process
-        queue = list(tasks)
-        running: dict[Any, tuple[CompileTask, ProcessPoolExecutor]] = {}
-        try:
-            while queue or running:
-                while queue and len(running) < jobs:
-                    task = queue.pop(0)
-                    if task.candidate and max_seconds is not None and time.perf_counter() - start > max_seconds:
-                        failed[(task.vp.id, task.candidate)] = f"not compiled: compile.tune.max_seconds ({max_seconds:g} s) reached"
-                        continue
-                    # A fresh interpreter per package (spawn: no forked OpenMP state): Inductor registers
-                    # its freezing rewrites once per process, under the first compile's options.
-                    executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-                    running[executor.submit(_compile_in_worker, loaded.path, task, staging, threads)] = (task, executor)
-                if not running:
-                    break
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    task, executor = running.pop(future)
-                    executor.shutdown(wait=False)
-                    error = future.exception()
-                    if isinstance(error, BrokenProcessPool):
-                        raise CompileError(worker_died(task, jobs)) from None
-                    finished(task, future.result() if error is None else None, error)
-        finally:
-            for future, (_, executor) in running.items():  # a failure: the others' output dies with the staging folder
-                future.cancel()
-                executor.shutdown(wait=False, cancel_futures=True)
+    job = CompileJob(loaded, model, staging, jobs, len(tasks), tuning, progress)
+    outcomes = (executor or LocalExecutor()).run(job, admitted())
+    try:
+        for outcome in outcomes:
+            task, error = outcome.task, outcome.error
+            label = task.label(tuning) + (f" on {outcome.where}" if outcome.where else "")
+            if error is None:
+                *package, found = outcome.result
+                results[(task.vp.id, task.candidate)] = tuple(package)
+                for name, table in found.items():
+                    if name not in tables or table.rows < tables[name].rows:
+                        tables[name] = table
+                progress.done("variant", label, package[2])
+                continue
+            progress.failed("variant", label, 0.0)
+            if task.candidate == 0 or isinstance(error, ProfileError):
+                raise error
+            failed[(task.vp.id, task.candidate)] = f"{type(error).__name__}: {error}"[:2000]
+    finally:
+        outcomes.close()  # a failure: the executor cancels what still runs
     return results, tables, failed
 
 
@@ -377,7 +454,7 @@ def _compile_one(
         cast = TORCH_DTYPES[vp.dtype] if vp.dtype is not None else None
         model = copy.deepcopy(model).to(device=vp.device, dtype=cast)
     try:
-        ep = export_model(model, loaded.profile, vp.ranges, hint, device=vp.device, dtype=vp.dtype)
+        ep = export_variant(model, loaded, vp, hint)
         tables = index_tables(ep, loaded.profile)
         check_declared_ranges(loaded, tables)  # a range past a table is the profile's error: before compiling
         pkg = compile_package(
@@ -402,6 +479,7 @@ def _compile_in_worker(
     import torch._inductor.config as inductor_config
 
     faulthandler.enable()  # a worker killed by SIGSEGV/SIGABRT prints where it was
+    quiet_third_party_warnings()
     # jobs workers each with a pool of one process per core would be cores² processes.
     inductor_config.compile_threads = compile_threads
     loaded = load_profile(profile_path)
@@ -447,8 +525,10 @@ def _assemble(
     out_spec: OutputSpec,
     output_dims,
     cuda: CudaInfo | None = None,
+    gates: list[GateResult] = (),
 ) -> Manifest:
     profile = loaded.profile
+    measured = {g.variant: g for g in gates}
     constants: dict[str, torch.Tensor] = {}
     prefixes: dict[str, str] = {}
     for vp, pkg in packages:
@@ -495,6 +575,9 @@ def _assemble(
                 dtype=vp.dtype,
                 constant_prefix=prefixes[vp.id],
                 embedded_constants=pkg.embedded,
+                precision=vp.precision,
+                cpu_features=needed_features(vp.precision) if vp.precision != "fp32" else (),
+                gate=measured[vp.id].to_dict() if vp.id in measured else None,
             )
             for vp, pkg in packages
         ),
@@ -544,19 +627,25 @@ def write_references(loaded: LoadedProfile, model: torch.nn.Module, folder: Path
         outn = [f"{vp.id}/out/{i}" for i in range(len(outs))]
         tensors.update({k: t.contiguous() for k, t in zip(ins, args)})
         tensors.update({k: t.detach().contiguous() for k, t in zip(outn, outs)})
-        entries.append(
-            {
-                "variant": vp.id,
-                "dims": sizes,
-                "inputs": ins,
-                "outputs": outn,
-                "device": vp.device,
-                "tolerance": [
-                    list(profile.tolerance(vp.dtype if vp.dtype and t.is_floating_point() else str(t.dtype).removeprefix("torch.")))
-                    for t in outs
-                ],
-            }
-        )
+        entry = {
+            "variant": vp.id,
+            "dims": sizes,
+            "inputs": ins,
+            "outputs": outn,
+            "device": vp.device,
+            "tolerance": [
+                list(profile.tolerance(vp.dtype if vp.dtype and t.is_floating_point() else str(t.dtype).removeprefix("torch.")))
+                for t in outs
+            ],
+        }
+        if vp.precision != "fp32":  # compared by the accuracy gate's rule, not by a tolerance
+            entry["accuracy"] = [
+                {"metric": profile.accuracy.rule(i).metric, "threshold": profile.accuracy.rule(i).threshold}
+                if t.is_floating_point()
+                else {"metric": "equal", "threshold": 1.0}
+                for i, t in enumerate(outs)
+            ]
+        entries.append(entry)
     save_file(tensors, str(folder / REFERENCES_FILE))
     return entries
 
@@ -567,7 +656,7 @@ def write_references(loaded: LoadedProfile, model: torch.nn.Module, folder: Path
 def measure_statics(compiled: loader.CompiledModel, profile: Profile, repeats: int = 30) -> list[dict[str, Any]]:
     """Time each static variant against the dynamic variant that would serve its shape otherwise."""
     out = []
-    mine = [v for v in compiled.variants if v.device == compiled.device_type]
+    mine = [v for v in compiled.variants if v.device == compiled.device_type and v.precision == "fp32"]
     dynamic = [v for v in mine if v.kind == "dynamic"]
     for v in mine:
         if v.kind != "static":

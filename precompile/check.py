@@ -32,7 +32,8 @@ def output_spec(value: Any, where: str = "output") -> OutputSpec:
         kind = "list" if isinstance(value, list) else "tuple"
         return OutputSpec(kind, tuple(output_spec(v, f"{where}[{i}]") for i, v in enumerate(value)))
     raise ModelError(
-        f"{where} is {type(value).__name__}; forward() may return tensors and tuples, lists or dicts of tensors"
+        f"{where} is {type(value).__name__}; forward() may return tensors and tuples, lists or dicts of tensors "
+        "(name the outputs to keep in the profile: `model: {factory: ..., outputs: [logits]}`)"
     )
 
 
@@ -44,16 +45,49 @@ def flatten(value: Any) -> list[torch.Tensor]:
     return [t for v in value for t in flatten(v)]
 
 
-def run_eager(model: torch.nn.Module, args: tuple) -> Any:
+def run_eager(model: torch.nn.Module, args: tuple, *, profile: Profile | None = None, sizes: dict[str, int] | None = None) -> Any:
+    """forward() on sample inputs; a failure is a ModelError saying the shapes, and (given the
+    profile and the sizes) which sizes the build chose and why. The original exception is kept as
+    the error's ``cause`` for explain_eager_failure."""
     try:
         with torch.no_grad():
             return model(*args)
     except Exception as e:
         shapes = ", ".join(f"{tuple(a.shape)}" for a in args)
-        raise ModelError(
-            f"eager forward() failed on sample inputs of shapes {shapes}: {type(e).__name__}: {e}\n"
-            "  (sample values come from each input's `range` in the profile)"
-        ) from None
+        lines = [f"eager forward() failed on sample inputs of shapes {shapes}: {type(e).__name__}: {str(e).strip()}"]
+        if profile is not None and sizes:
+            lines.append(f"  {sample_sizes(profile, sizes)}")
+        if isinstance(e, IndexError) and profile is not None and any(
+            spec.dtype not in ("float16", "bfloat16", "float32", "float64", "bool") for spec in profile.inputs.values()
+        ):
+            lines.append(
+                "  an index past a table: either the sample values (drawn from each integer input's `range`) or a "
+                "dim larger than a table the model indexes by position; `precompile doctor PROFILE` says which"
+            )
+        elif profile is not None and sizes:
+            lines.append("  `precompile doctor PROFILE` lists every size the model fixes or bounds, with its source line")
+        error = ModelError("\n".join(lines))
+        error.cause = e
+        raise error from None
+
+
+def sample_sizes(profile: Profile, sizes: dict[str, int]) -> str:
+    """``the sample size the build chose: seq=181, the geometric mean of [8, 4096]; ...``: each
+    dim's size and where it came from (the profile's hint, the geometric mean, the traffic)."""
+    parts = []
+    for d, n in sizes.items():
+        spec = profile.dims.get(d)
+        if spec is None:
+            parts.append(f"{d}={n}")
+        elif spec.hint is not None and n == spec.hint:
+            parts.append(f"{d}={n}, dims.{d}.hint")
+        elif spec.min == spec.max:
+            parts.append(f"{d}={n}, its only size")
+        elif n == profile.hint(d):
+            parts.append(f"{d}={n}, the geometric mean of [{spec.min}, {spec.max}]")
+        else:
+            parts.append(f"{d}={n}, from the observed traffic in its range [{spec.min}, {spec.max}]")
+    return "the sample size the build chose: " + "; ".join(parts)
 
 
 @dataclass
@@ -141,7 +175,7 @@ def check_policies(loaded: LoadedProfile, model: torch.nn.Module, folder: Path, 
     policies = {d: p for d, p in profile.policy.out_of_range.items() if p != "error"}
     if not policies:
         return
-    compiled = loader.load(folder)
+    compiled = loader.load(folder, precision="fp32")  # the policies are checked on the fp32 variants
     hints = {d: min(max(profile.hint(d), spec.min), spec.max) for d, spec in profile.dims.items()}
     for d, policy in policies.items():
         for size in policy_sizes(profile.dims[d].min, profile.dims[d].max, policy):

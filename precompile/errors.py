@@ -30,6 +30,20 @@ class ExportError(PrecompileError):
     """torch.export failed; the message names the dims involved and what to change."""
 
 
+class DimBoundError(ExportError):
+    """A dim's declared range goes past a table the model indexes by position. ``problems`` holds
+    (place, message) pairs in the profile's terms, as a ProfileError's do."""
+
+    def __init__(self, problems: list[tuple[str, str]] | str):
+        if isinstance(problems, str):  # re-raised with a prefix (the variant it happened in)
+            problems = [("", problems)]
+        self.problems = problems
+        super().__init__("\n".join(f"{place}: {message}" if place else message for place, message in problems))
+
+    def __reduce__(self):  # raised in build worker processes and pickled back to the parent
+        return (DimBoundError, (self.problems,))
+
+
 class CompileError(PrecompileError):
     """AOTInductor failed to compile an exported program."""
 

@@ -5,13 +5,17 @@ Failures are translated into the profile's words: which dim, what torch said, wh
 
 from __future__ import annotations
 
+import inspect
+import os
 import re
 import warnings
+from pathlib import Path
 
 import torch
 from torch.export import Dim, ExportedProgram
 
-from .errors import ExportError
+from .errors import DimBoundError, ExportError
+from .infer import TorchLog, capture_torch_logs, dim_bound_problems
 from .profile import Profile
 from .samples import make_inputs, to_device
 
@@ -53,16 +57,34 @@ def export_model(
         {axis: dims[s] for axis, s in enumerate(spec.shape) if isinstance(s, str) and s in dims} or None
         for spec in profile.inputs.values()
     )
+    if _takes_varargs(model):  # a wrapper's forward(*args): torch.export wants the specs as that one argument
+        dynamic_shapes = (dynamic_shapes,)
     args = to_device(make_inputs(profile, hint, seed=profile.check.seed), device, dtype)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), capture_torch_logs() as log:
             warnings.simplefilter("ignore")
-            return torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
+            ep = torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # torch.export raises many types; every one is reported the same way
-        raise ExportError(explain_export_failure(e, ranges, hint)) from None
+        raise ExportError(explain_export_failure(e, ranges, hint, log=log)) from None
+    problems = dim_bound_problems(ep, [list(spec.shape) for spec in profile.inputs.values()], ranges)
+    if problems:  # export proves nothing about index values: a position table past the range is found here
+        raise DimBoundError(problems)
+    return ep
 
 
-def explain_export_failure(e: BaseException, ranges: dict[str, tuple[int, int]], hint: dict[str, int]) -> str:
+def _takes_varargs(model: torch.nn.Module) -> bool:
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+
+
+def explain_export_failure(
+    e: BaseException, ranges: dict[str, tuple[int, int]], hint: dict[str, int], *, log: TorchLog | None = None
+) -> str:
+    """Our explanation first (the dims involved, what to change), then the lines of torch's message
+    that matter (its suggested fixes), once; its whole text and log go to a file the message names."""
     text = str(e)
     involved = [d for d in ranges if re.search(rf"\b{re.escape(d)}\b", text)]
     advice = []
@@ -89,14 +111,47 @@ def explain_export_failure(e: BaseException, ranges: dict[str, tuple[int, int]],
             "forward() branches on tensor values (data-dependent control flow): rewrite the branch with "
             "torch.cond or torch.where, or move it out of the model"
         )
+    if re.search(r"inconsistent min=\d+, max=\d+", text):
+        advice.append(
+            "torch.export found a dim the model allows only one size of, but could not say which: "
+            "`precompile doctor PROFILE` lists every size the model fixes, with its source line"
+        )
     if not advice:
         advice.append("change the model so torch.export can trace it for every size in the declared ranges")
-    lines = text.strip().splitlines()
-    said = "\n".join("    " + line for line in lines[:25]) + ("\n    ..." if len(lines) > 25 else "")
     where = ", ".join(f"{d} {list(ranges[d])} (example {hint[d]})" for d in involved) or "none named"
+    logfile = _write_log(e, log)
     return (
         f"torch.export failed ({type(e).__name__})\n"
         f"  dims involved: {where}\n"
-        f"  torch says:\n{said}\n"
         + "".join(f"  what to change: {a}\n" for a in advice)
+        + f"  torch says (all of it in {logfile}):\n"
+        + "\n".join("    " + line for line in _useful_lines(text))
     ).rstrip()
+
+
+def _useful_lines(text: str, limit: int = 12) -> list[str]:
+    """The part of torch's message a user acts on: its suggested fixes when it has them (at the
+    bottom of a long dump), else its first lines; never the generated-code dump in between."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if "Suggested fixes" in line:
+            return lines[i : i + limit]
+    head = lines[:limit]
+    return head + (["..."] if len(lines) > limit else [])
+
+
+def _write_log(e: BaseException, log: TorchLog | None) -> str:
+    """torch's whole message, traceback and log lines, in a file under the temp folder; its path."""
+    import tempfile
+    import traceback
+
+    folder = Path(tempfile.gettempdir()) / f"precompile-logs-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, prefix="export-", suffix=".log", delete=False) as f:
+            f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            if log is not None and log.lines:
+                f.write("\n--- torch's log while exporting ---\n" + "\n".join(log.lines) + "\n")
+            return f.name
+    except OSError as err:  # the explanation matters more than the log: never fail on writing it
+        return f"no log file: {folder} is not writable ({err.strerror})"

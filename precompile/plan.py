@@ -32,6 +32,7 @@ class VariantPlan:
     count: int = 0  # calls of observed traffic it will serve
     device: str = "cpu"
     dtype: str | None = None  # compute dtype (CUDA variants); None: the model's own
+    precision: str = "fp32"  # fp32 | bf16 | int8 (precompile.precision)
 
     def describe(self) -> str:
         return " ".join(f"{d}={lo}" if lo == hi else f"{d}∈[{lo},{hi}]" for d, (lo, hi) in self.ranges.items())

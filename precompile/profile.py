@@ -58,6 +58,14 @@ class ModelSpec(_Strict):
     weights: Optional[str] = Field(
         default=None, description=".safetensors file relative to the profile, loaded with strict=True"
     )
+    outputs: Optional[list[Union[str, int]]] = Field(
+        default=None,
+        description=(
+            "the outputs to keep when forward() returns a dict, a ModelOutput or a tuple: keys (or indices), in the "
+            "order served; the rest (caches, hidden states) is dropped. Served as a dict of the named keys, a tuple of "
+            "the indexed items"
+        ),
+    )
 
 
 class InputSpec(_Strict):
@@ -156,6 +164,81 @@ class PolicySpec(_Strict):
     pad_value: dict[str, float] = Field(default_factory=dict, description="per input, the value pad fills with")
 
 
+class BatchingSpec(_Strict):
+    dim: str = Field(
+        default="batch",
+        description="the batch dim: concurrent calls are concatenated along it; on exactly one axis of every input and every output",
+    )
+    pad: list[str] = Field(
+        default_factory=list,
+        description=(
+            "other dims concurrent calls may differ in: padded to a common size and every output axis following them "
+            "cut back (the build checks on padded samples that this leaves the real outputs unchanged)"
+        ),
+    )
+    pad_value: dict[str, float] = Field(
+        default_factory=dict,
+        description="per input, the value padding fills with (default: policy.pad_value's, else 0); an attention mask's is 0",
+    )
+
+
+Precision = Literal["fp32", "bf16", "int8"]
+
+
+class AccuracyRule(_Strict):
+    metric: Literal["cosine", "max_abs", "top1"] = Field(
+        default="cosine",
+        description=(
+            "cosine: smallest cosine similarity of output rows (last axis) with fp32 eager's; max_abs: largest "
+            "absolute difference; top1: share of rows whose argmax over the last axis agrees"
+        ),
+    )
+    threshold: float = Field(
+        default=0.99, description="cosine and top1: at least this; max_abs: at most this"
+    )
+
+
+class AccuracySpec(AccuracyRule):
+    outputs: dict[int, AccuracyRule] = Field(
+        default_factory=dict, description="per flat output index, a rule replacing the default one above"
+    )
+    min_speedup: float = Field(
+        default=1.0,
+        ge=0,
+        description="a bf16 or int8 variant is kept only if this much faster than fp32 on its traffic (> 1.0 by default; 0 keeps any that is accurate)",
+    )
+
+    def rule(self, output: int) -> AccuracyRule:
+        return self.outputs.get(output, self)
+
+
+class CalibrationSpec(_Strict):
+    samples: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="inputs drawn with the traffic distribution's shapes and the inputs' value ranges (when no file is given)",
+    )
+    file: Optional[str] = Field(
+        default=None,
+        description=(
+            "real inputs, relative to the profile: .safetensors with tensors named '<sample>/<input>' (e.g. '0/ids'), "
+            "or .jsonl with one {<input>: nested list, ...} object a line"
+        ),
+    )
+
+
+class QuantizationSpec(_Strict):
+    int8: Literal["auto", "dynamic", "static"] = Field(
+        default="auto",
+        description=(
+            "dynamic: torchao int8 weights and per-call int8 activations for Linear layers (no calibration needed); "
+            "static: PT2E with X86InductorQuantizer, activations calibrated (convolutions need this); auto: static "
+            "when the model has convolutions, else dynamic"
+        ),
+    )
+
+
 class CudaSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32",
@@ -180,6 +263,20 @@ class Profile(_Strict):
         default="cpu", description="device(s) the code is compiled for; a list builds one artifact for several"
     )
     cuda: CudaSpec = Field(default_factory=CudaSpec, description="options for CUDA variants")
+    precision: Union[list[Precision], dict[Literal["cpu", "cuda"], list[Precision]]] = Field(
+        default_factory=lambda: ["fp32"],
+        description=(
+            "precisions compiled for CPU targets, or per target {cpu: [...], cuda: [...]}; each beyond fp32 must pass "
+            "the accuracy gate and beat fp32 on its traffic to be kept (CUDA variants compute in cuda.dtype)"
+        ),
+    )
+    accuracy: AccuracySpec = Field(
+        default_factory=AccuracySpec, description="the gate a bf16 or int8 variant must pass against fp32 eager"
+    )
+    calibration: CalibrationSpec = Field(
+        default_factory=CalibrationSpec, description="inputs the gate measures accuracy on and int8 static calibrates with"
+    )
+    quantization: QuantizationSpec = Field(default_factory=QuantizationSpec, description="how int8 variants are quantized")
     compile: CompileSpec = Field(default_factory=CompileSpec)
     check: CheckSpec = Field(default_factory=CheckSpec)
     distribution: DistributionSpec = Field(default_factory=DistributionSpec, description="observed traffic")
@@ -188,11 +285,19 @@ class Profile(_Strict):
     )
     plan: PlanSpec = Field(default_factory=PlanSpec)
     policy: PolicySpec = Field(default_factory=PolicySpec)
+    batching: Optional[BatchingSpec] = Field(
+        default=None, description="how loader.Batcher may batch concurrent calls: the batch dim, and the dims it may pad"
+    )
 
     @property
     def targets(self) -> tuple[str, ...]:
         """Devices to build for, primary first, without repeats."""
         return tuple(dict.fromkeys([self.target] if isinstance(self.target, str) else self.target))
+
+    def precisions(self, device: str) -> tuple[str, ...]:
+        """The precisions built for ``device``, fp32 first (it is every gate's baseline)."""
+        listed = self.precision.get(device, ["fp32"]) if isinstance(self.precision, dict) else self.precision
+        return tuple(dict.fromkeys(["fp32", *listed]))
 
     def hint(self, dim: str) -> int:
         """The size a dim is exported with: ≥ 2, since torch.export specializes sizes 0 and 1."""
@@ -246,13 +351,36 @@ def load_profile(path: str | Path) -> LoadedProfile:
     try:
         profile = Profile.model_validate(raw)
     except ValidationError as e:
-        raise ProfileError(source, [(_place(err["loc"]), _message(err)) for err in e.errors()]) from None
+        raise ProfileError(source, validation_problems(e.errors())) from None
     problems = semantic_problems(profile) + inductor_option_problems(profile.compile.inductor) + tune_problems(profile.compile)
+    problems += precision_problems(profile, path.parent)
     if profile.model.weights is not None and not (path.parent / profile.model.weights).is_file():
         problems.append(("model.weights", f"file not found: {path.parent / profile.model.weights}"))
     if problems:
         raise ProfileError(source, problems)
     return LoadedProfile(profile=profile, path=path.resolve())
+
+
+def validation_problems(errors: list[dict]) -> list[tuple[str, str]]:
+    """pydantic's errors as ``place: message``. A field that takes a list or a mapping (``precision``)
+    reports its failure under each form; the form the user did not write is dropped, and the form's
+    name (``list[...]``) is left out of the place."""
+    out = []
+    for err in errors:
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+        out.append((loc, err))
+    def form_error(loc: tuple, err: dict) -> bool:
+        return err["type"] in ("dict_type", "list_type") and len(loc) < len(err["loc"])
+
+    shown = []
+    for loc, err in out:
+        if form_error(loc, err):
+            if any(l2[: len(loc)] == loc and not form_error(l2, e2) for l2, e2 in out):
+                continue  # the user wrote the other form, whose own errors say what is wrong
+            shown.append((_place(loc), "expected a list (e.g. [fp32, int8]) or a mapping per target (e.g. {cpu: [int8]})"))
+            continue
+        shown.append((_place(loc), _message(err)))
+    return list(dict.fromkeys(shown))
 
 
 def _place(loc: tuple) -> str:
@@ -303,6 +431,7 @@ def semantic_problems(profile: Profile) -> list[tuple[str, str]]:
         if name not in used:
             problems.append((f"dims.{name}", "declared but used in no input shape"))
     problems += _plan_problems(profile)
+    problems += batching_problems(profile)
     if not profile.targets:
         problems.append(("target", "name at least one device (cpu, cuda)"))
     for i, arch in enumerate(profile.cuda.arch or []):
@@ -375,6 +504,113 @@ def pad_value_problems(profile: Profile) -> list[tuple[str, str]]:
             problems.append(
                 (f"policy.pad_value.{name}", f"{value:g} is outside inputs.{name}.range [{spec.range[0]:g}, {spec.range[1]:g}]")
             )
+    return problems
+
+
+def batching_pad_values(profile: Profile) -> dict[str, float]:
+    """Per input that has a padded dim of the ``batching:`` section: the value padding fills it with
+    (``batching.pad_value``, else ``policy.pad_value``, else 0)."""
+    spec = profile.batching
+    if spec is None:
+        return {}
+    return {
+        name: spec.pad_value.get(name, profile.policy.pad_value.get(name, 0.0))
+        for name, inp in profile.inputs.items()
+        if set(spec.pad).intersection(s for s in inp.shape if isinstance(s, str))
+    }
+
+
+def batching_problems(profile: Profile) -> list[tuple[str, str]]:
+    """The ``batching:`` section: its dims exist, the batch dim is on exactly one axis of every input
+    and every declared output (the rows cut back per caller), and each pad value is one its input may
+    hold. Whether padding leaves the outputs unchanged is checked by the build (precompile.batching)."""
+    spec = profile.batching
+    if spec is None:
+        return []
+    problems = []
+    known = ", ".join(profile.dims) or "none declared"
+    if spec.dim not in profile.dims:
+        problems.append(("batching.dim", f"unknown dim {spec.dim!r} (known: {known})"))
+    else:
+        for name, inp in profile.inputs.items():
+            axes = [axis for axis, s in enumerate(inp.shape) if s == spec.dim]
+            if len(axes) != 1:
+                where = "no axis" if not axes else f"axes {', '.join(map(str, axes))}"
+                problems.append(
+                    ("batching.dim", f"input {name!r} (shape {inp.shape}) has {spec.dim!r} on {where}; every input needs it on exactly one axis")
+                )
+        if profile.outputs is None:
+            problems.append(("batching", "needs `outputs:` to say which output axes follow the batch dim and the padded dims"))
+        for i, out in enumerate(profile.outputs or []):
+            axes = [axis for axis, s in enumerate(out.shape) if s == spec.dim]
+            if len(axes) != 1:
+                where = "no axis" if not axes else f"axes {', '.join(map(str, axes))}"
+                problems.append(
+                    ("batching.dim", f"outputs[{i}] (shape {out.shape}) follows {spec.dim!r} on {where}; each caller's rows are cut from exactly one axis of every output")
+                )
+    for i, d in enumerate(spec.pad):
+        place = f"batching.pad[{i}]"
+        if d not in profile.dims:
+            problems.append((place, f"unknown dim {d!r} (known: {known})"))
+        elif d == spec.dim:
+            problems.append((place, f"{d!r} is the batch dim; pad lists the other dims calls may differ in"))
+        elif d in spec.pad[:i]:
+            problems.append((place, f"{d!r} is listed twice"))
+    values = batching_pad_values(profile)
+    for name in spec.pad_value:
+        place = f"batching.pad_value.{name}"
+        if name not in profile.inputs:
+            problems.append((place, f"unknown input (inputs: {', '.join(profile.inputs)})"))
+        elif name not in values:
+            problems.append((place, f"input {name!r} has none of the padded dims ({', '.join(spec.pad) or 'none listed'})"))
+    for name, value in values.items():
+        inp = profile.inputs[name]
+        place = f"batching.pad_value.{name}"
+        if inp.dtype == "bool" and value not in (0.0, 1.0):
+            problems.append((place, f"{value:g}: a bool input pads with 0 or 1"))
+        elif inp.dtype in _INT_LIMITS and value != int(value):
+            problems.append((place, f"{value:g}: an {inp.dtype} input pads with a whole number"))
+        elif inp.dtype in _INT_LIMITS and inp.range is not None and not inp.range[0] <= value <= inp.range[1]:
+            problems.append(
+                (place, f"{value:g} is outside inputs.{name}.range [{inp.range[0]:g}, {inp.range[1]:g}]: the loader refuses such values, widen the range to hold it")
+            )
+    return problems
+
+
+def precision_problems(profile: Profile, folder: Path) -> list[tuple[str, str]]:
+    """precision, accuracy, calibration: what each precision needs, checked before anything compiles."""
+    problems = []
+    if isinstance(profile.precision, dict):
+        for device, listed in profile.precision.items():
+            if device not in profile.targets:
+                problems.append((f"precision.{device}", f"{device} is not a target (target: {', '.join(profile.targets)})"))
+            if device == "cuda" and set(listed) - {"fp32"}:
+                problems.append(
+                    ("precision.cuda", "CUDA variants compute in cuda.dtype: list only fp32 here and set cuda.dtype: bfloat16 or float16")
+                )
+    elif set(profile.precision) - {"fp32"} and profile.targets == ("cuda",):
+        problems.append(("precision", "bf16 and int8 variants are built for CPU targets; for CUDA set cuda.dtype instead"))
+    wanted = {p for d in profile.targets for p in profile.precisions(d)}
+    if "int8" in wanted:
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            problems.append(("precision", "int8 variants are quantized with torchao, which is not installed: pip install 'precompile[quant]'"))
+    rules = [("accuracy", profile.accuracy)] + [(f"accuracy.outputs.{i}", r) for i, r in profile.accuracy.outputs.items()]
+    for where, rule in rules:
+        if rule.metric in ("cosine", "top1") and not -1.0 <= rule.threshold <= 1.0:
+            problems.append((f"{where}.threshold", f"{rule.metric} is at most 1; {rule.threshold} can never pass"))
+        if rule.metric == "max_abs" and rule.threshold < 0:
+            problems.append((f"{where}.threshold", "max_abs is an absolute difference: give a threshold ≥ 0"))
+    for i in profile.accuracy.outputs:
+        if i < 0:
+            problems.append((f"accuracy.outputs.{i}", "flat output indices start at 0"))
+    file = profile.calibration.file
+    if file is not None:
+        if Path(file).suffix not in (".safetensors", ".jsonl"):
+            problems.append(("calibration.file", f"{file!r}: give a .safetensors or .jsonl file"))
+        elif not (folder / file).is_file():
+            problems.append(("calibration.file", f"file not found: {folder / file}"))
     return problems
 
 

@@ -4,6 +4,7 @@ Layout under a store URL (any fsspec URL; ``s3://`` with the ``s3`` extra)::
 
     <url>/<name>/<version>.tar.zst     one pack per published version, never overwritten
     <url>/<name>/index.json            {"name", "versions": {"7": {"file", "digest", "sha256", "size", "signed_by"}}}
+    <url>/<name>/current               the version to serve: one line, "7.tar.zst" (``precompile promote``)
 
 ``loader.load("<url>/<name>/<version>.tar.zst")`` reads a published pack directly; the index is for
 people and tools (``ls``, ``pull`` of the latest version). Transfers go through ``loader.remote``
@@ -26,12 +27,14 @@ from typing import Any
 from loader import constants as C
 from loader.pack import PackHead, verify_pack
 from loader.remote import MissingObjectError, download, filesystem, retried, stat
+from loader.remote import resolve_pointer as _resolve_pointer
 from loader.trust import parse_signature
 
 from .errors import PrecompileError
 from .ship import _atomic_output, pack
 
 INDEX_FILE = "index.json"
+POINTER = "current"
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,32 @@ def pull(url: str, *, version: int | None = None, output: str | os.PathLike | No
         out.flush()
         head = verify_pack(writer.tmp)
     return target, head.manifest.version
+
+
+def promote(url: str, version: int, *, pointer: str = POINTER) -> tuple[str, str]:
+    """Point ``<url>/<pointer>`` at published ``version``: the deploy, one small object write, which
+    every ``precompile serve --watch <url>/<pointer>`` (``Live.watch``) picks up at its next look.
+    ``url`` is a model's folder (``<store>/<name>``); the version must be in its index and its pack in
+    the store. Going back to an older version is allowed here: whether a server follows is its own
+    decision (``--allow-rollback``). Returns (pointer URL, pack URL)."""
+    if not pointer or "/" in pointer or pointer.endswith(C.PACK_SUFFIX) or pointer == INDEX_FILE:
+        raise PrecompileError(f"--pointer {pointer!r}: a plain object name in the model's folder (such as current or canary)")
+    folder = url.rstrip("/")
+    index = read_index(folder)
+    entry = index["versions"].get(str(version))
+    if entry is None:
+        published = ", ".join(sorted(index["versions"], key=int)) or "none"
+        raise PrecompileError(f"{folder}: no version {version} published (published: {published}); push it first")
+    pack_url = f"{folder}/{entry['file']}"
+    fs, path = filesystem(pack_url)
+    stat(fs, path, pack_url)  # the pack is there: a MissingObjectError names it otherwise
+    pointer_url = f"{folder}/{pointer}"
+    fs, path = filesystem(pointer_url)
+    data = f"{entry['file']}\n".encode()
+    retried(pointer_url, "write the pointer", lambda: fs.pipe_file(path, data))
+    if _resolve_pointer(pointer_url).target != pack_url:  # read back through the watcher's own path
+        raise PrecompileError(f"{pointer_url}: the store does not hand back the pointer just written")
+    return pointer_url, pack_url
 
 
 def _signers(head: PackHead) -> list[str]:

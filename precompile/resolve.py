@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import traceback
 from pathlib import Path
@@ -47,7 +48,62 @@ def resolve_model(loaded: LoadedProfile) -> torch.nn.Module:
         )
     if spec.weights is not None:
         _load_weights(model, loaded.folder / spec.weights, source)
-    return model.eval()
+    return adapt(model.eval(), list(loaded.profile.inputs), spec.outputs)
+
+
+class Adapted(torch.nn.Module):
+    """A model called the way a profile declares it: inputs by name when forward() takes them in
+    another order (or among others), and only the outputs ``model.outputs`` names. The build sees
+    ``forward(*inputs)`` in the profile's order returning tensors, so no hand-written wrapper is needed
+    for a transformers model returning a ``ModelOutput`` with a cache in it."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str] | None, outputs: list[str | int] | None):
+        super().__init__()
+        self.model = model  # precompile.infer.WRAPPED names this attribute
+        self.names = names
+        self.outputs = outputs
+
+    def forward(self, *args: torch.Tensor):
+        out = self.model(**dict(zip(self.names, args))) if self.names is not None else self.model(*args)
+        if self.outputs is None:
+            return out
+        return pick_outputs(out, self.outputs)
+
+
+def pick_outputs(out, keep: list[str | int]):
+    """``keep``'s items of a dict/ModelOutput (as a dict) or of a tuple/list (as a tuple)."""
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        missing = [k for k in keep if not isinstance(k, str) or k not in out.keys() or out[k] is None]
+        if missing:
+            have = ", ".join(k for k in out.keys() if out[k] is not None)
+            raise ModelError(f"model.outputs: forward() returned no {', '.join(map(repr, missing))} (it returned: {have})")
+        return {k: out[k] for k in keep}
+    if isinstance(out, (tuple, list)):
+        bad = [k for k in keep if not isinstance(k, int) or not -len(out) <= k < len(out)]
+        if bad:
+            raise ModelError(f"model.outputs: forward() returned {len(out)} items; {bad} are not indices of them")
+        return tuple(out[k] for k in keep)
+    raise ModelError(f"model.outputs: forward() returned a {type(out).__name__}, which has no items to pick")
+
+
+def adapt(model: torch.nn.Module, names: list[str], outputs: list[str | int] | None) -> torch.nn.Module:
+    """``model`` as is when forward() takes ``names`` first and in order and every output is kept;
+    else wrapped in ``Adapted`` (keyword call when every name is one of forward()'s parameters)."""
+    params = _parameters(model)
+    positional = params is None or params[: len(names)] == names or not set(names) <= set(params)
+    if positional and outputs is None:
+        return model
+    return Adapted(model, None if positional else names, outputs).eval()
+
+
+def _parameters(model: torch.nn.Module) -> list[str] | None:
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return None
+    return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
 
 
 def _load_weights(model: torch.nn.Module, path: Path, source: str) -> None:

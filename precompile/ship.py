@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+from pydantic import ValidationError
 
 import loader
 from loader import constants as C
 from loader.artifact import manifest_digest, read_manifest_with_bytes, read_signature, verify_files
-from loader.errors import LoaderError
+from loader.errors import IncompatibleArtifactError, LoaderError
 from loader.cuda import parse_device
 from loader.host import compatibility_problems, host_facts
 from loader.manifest import Manifest
@@ -29,6 +30,8 @@ from loader.weights import MappedWeights
 
 from .check import flatten
 from .errors import PrecompileError
+from .precision import agreement, passes
+from .profile import AccuracyRule
 
 REFERENCES_FILE = "references.safetensors"
 
@@ -298,10 +301,21 @@ def _signature_check(manifest_bytes: bytes, signature: bytes | None, keys: list[
 
 def _run_check(path: Path, manifest: Manifest, device: str, cache_dir: str | os.PathLike | None) -> Check:
     try:
-        model = loader.load(path, device=device, cache_dir=cache_dir)
+        model = loader.load(path, device=device, cache_dir=cache_dir, precision="fp32")
     except LoaderError as e:
         return Check("run", "FAIL", f"cannot load: {e}")
     kind = parse_device(model.device)[0]
+    # Every precision this host can run is checked: the fp32 model, then one load per lower precision.
+    lower = sorted({v.precision for v in manifest.variants if v.device == kind} - {"fp32"})
+    models = [model]
+    skipped = []
+    for precision in lower:
+        try:
+            models.append(loader.load(path, device=device, cache_dir=cache_dir, precision=precision))
+        except IncompatibleArtifactError as e:
+            skipped.append(f"{precision} not run on this host ({e})")
+        except LoaderError as e:
+            return Check("run", "FAIL", f"cannot load the {precision} variants: {e}")
     entries = manifest.check.get("references") if isinstance(manifest.check, dict) else None
     if isinstance(entries, list):  # references for this device's variants only
         entries = [e for e in entries if not isinstance(e, dict) or e.get("device", "cpu") == kind]
@@ -312,11 +326,19 @@ def _run_check(path: Path, manifest: Manifest, device: str, cache_dir: str | os.
             return Check("run", "FAIL", f"a variant failed on its hint shape: {type(e).__name__}: {e}")
         count = sum(v.device == kind for v in manifest.variants)
         return Check("run", "ok", f"no reference outputs for {kind} in this artifact; ran each of {count} variant(s) on its hint shape")
+    checked = 0
+    worst = 0.0
     try:
-        worst = compare_references(model, entries)
+        for m in models:
+            ids = {v.id for v in m.variants if v.precision == m.precision.order[0]}
+            mine = [e for e in entries if not isinstance(e, dict) or e.get("variant") in ids]
+            worst = max(worst, compare_references(m, mine))
+            checked += len(mine)
     except ReferenceMismatch as e:
         return Check("run", "FAIL", str(e))
-    return Check("run", "ok", f"{len(entries)} reference output(s) recomputed, max abs error {worst:.1e}")
+    note = "".join(f"; {s}" for s in skipped)
+    precisions = ", ".join(m.precision.order[0] for m in models)
+    return Check("run", "ok", f"{checked} reference output(s) recomputed ({precisions}), max abs error {worst:.1e}{note}")
 
 
 class ReferenceMismatch(PrecompileError):
@@ -337,7 +359,8 @@ def compare_references(model: loader.CompiledModel, entries: Any) -> float:
             inputs = [refs.tensors[name].to(model.device) for name in ins]
             wanted = [refs.tensors[name] for name in outs]
             tolerances = [(float(a), float(r)) for a, r in tolerance]
-        except (KeyError, TypeError, ValueError) as e:
+            rules = [AccuracyRule(**rule) if rule["metric"] != "equal" else None for rule in entry["accuracy"]] if "accuracy" in entry else None
+        except (KeyError, TypeError, ValueError, ValidationError) as e:
             raise ReferenceMismatch(f"{where}: malformed entry or missing tensor ({type(e).__name__}: {e})") from None
         try:
             got = flatten(model.run_variant(variant, *inputs))
@@ -350,7 +373,16 @@ def compare_references(model: loader.CompiledModel, entries: Any) -> float:
             floating = g.is_floating_point() and w.is_floating_point()  # a lower compute dtype is fine
             if g.shape != w.shape or (not floating and g.dtype != w.dtype):
                 raise ReferenceMismatch(f"{where}: output {j} is {g.dtype} {tuple(g.shape)}, the reference {w.dtype} {tuple(w.shape)}")
-            if floating:
+            if floating and rules is not None and j < len(rules) and rules[j] is not None:  # a bf16 or int8 variant
+                value = agreement(rules[j], w, g)
+                worst = max(worst, float((g.double() - w.double()).abs().max()) if g.numel() else 0.0)
+                if not passes(rules[j], value):
+                    raise ReferenceMismatch(
+                        f"{where}: variant {variant!r} output {j}: {rules[j].metric} {value:.4g} against the fp32 reference, "
+                        f"the build's gate asks {'≤' if rules[j].metric == 'max_abs' else '≥'} {rules[j].threshold}: this host "
+                        "computes something else than the build host did"
+                    )
+            elif floating:
                 err = (g.double() - w.double()).abs()
                 worst = max(worst, float(err.max()) if err.numel() else 0.0)
                 if not torch.allclose(g.double(), w.double(), atol=atol, rtol=rtol, equal_nan=True):

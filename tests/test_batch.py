@@ -43,7 +43,7 @@ def test_concurrent_callers_get_their_own_results_from_batches(classifier):
     calls = [call_inputs(seed, seq=10) for seed in range(8)]
     expected = [classifier(*args) for args in calls]
     classifier.reset_stats()
-    with loader.Batcher(classifier, max_batch=8, max_delay_ms=200) as batcher:
+    with loader.Batcher(classifier, max_batch=8, max_delay_ms=200, wait_alone=True) as batcher:
         got = run_together(batcher, calls)
         stats = batcher.stats()
     for out, want in zip(got, expected):
@@ -64,7 +64,7 @@ def test_concurrent_callers_get_their_own_results_from_batches(classifier):
 def test_a_call_refused_by_the_guards_fails_alone(classifier):
     good = [call_inputs(seed, seq=6) for seed in range(3)]
     bad_ids = torch.full((1, 6), 99)  # outside the ids range [0, 49]
-    with loader.Batcher(classifier, max_delay_ms=200) as batcher:
+    with loader.Batcher(classifier, max_delay_ms=200, wait_alone=True) as batcher:
         futures = [batcher.submit(*args) for args in good]
         with pytest.raises(loader.GuardError, match="ids"):
             batcher.submit(bad_ids, torch.ones(1, 6, dtype=torch.bool))
@@ -75,7 +75,7 @@ def test_a_call_refused_by_the_guards_fails_alone(classifier):
 def test_a_failing_batch_is_retried_call_by_call(classifier):
     calls = [call_inputs(seed, seq=5) for seed in range(4)]
     expected = [classifier(*args) for args in calls]
-    with loader.Batcher(classifier, max_delay_ms=300) as batcher:
+    with loader.Batcher(classifier, max_delay_ms=300, wait_alone=True) as batcher:
         futures = [batcher.submit(*args) for args in calls]
         calls[1][0].fill_(99)  # the caller spoils its input after the guard passed it: the batch fails
         results = []
@@ -92,7 +92,7 @@ def test_a_failing_batch_is_retried_call_by_call(classifier):
 
 
 def test_a_full_queue_refuses_with_batcher_full(classifier):
-    with loader.Batcher(classifier, max_batch=8, max_delay_ms=500, max_queue=2) as batcher:
+    with loader.Batcher(classifier, max_batch=8, max_delay_ms=500, max_queue=2, wait_alone=True) as batcher:
         futures = [batcher.submit(*call_inputs(seed, seq=4)) for seed in range(2)]
         with pytest.raises(loader.BatcherFull, match="queue is full"):
             batcher.submit(*call_inputs(9, seq=4))
@@ -102,7 +102,7 @@ def test_a_full_queue_refuses_with_batcher_full(classifier):
 
 
 def test_a_caller_that_went_away_is_dropped(classifier):
-    with loader.Batcher(classifier, max_batch=8, max_delay_ms=300) as batcher:
+    with loader.Batcher(classifier, max_batch=8, max_delay_ms=300, wait_alone=True) as batcher:
         stay = batcher.submit(*call_inputs(1, seq=4))
         gone = batcher.submit(*call_inputs(2, seq=4))
         assert gone.cancel()
@@ -115,7 +115,7 @@ def test_calls_of_different_sequence_lengths_are_grouped_by_shape(classifier):
     calls = [call_inputs(seed, seq=8 if seed % 2 else 12) for seed in range(6)]
     expected = [classifier(*args) for args in calls]
     classifier.reset_stats()
-    with loader.Batcher(classifier, max_delay_ms=200) as batcher:
+    with loader.Batcher(classifier, max_delay_ms=200, wait_alone=True) as batcher:
         got = run_together(batcher, calls)
         stats = batcher.stats()
     for out, want in zip(got, expected):
@@ -132,7 +132,7 @@ def test_structured_outputs_are_cut_back_per_caller(tagger_build):
         ids, _ = call_inputs(seed, seq=16, batch=1 + seed % 2)
         calls.append((ids, torch.ones_like(ids, dtype=torch.bool)))
     expected = [tagger(*args) for args in calls]
-    with loader.Batcher(tagger, max_delay_ms=200) as batcher:
+    with loader.Batcher(tagger, max_delay_ms=200, wait_alone=True) as batcher:
         got = run_together(batcher, calls)
     for out, want in zip(got, expected):
         assert isinstance(out, type(want)) and len(out) == len(want)
@@ -168,3 +168,12 @@ def test_a_live_holder_is_batched_too(classifier_artifact):
         torch.testing.assert_close(outputs, live(*args), rtol=1e-4, atol=1e-5)
     finally:
         live.close()
+
+
+def test_a_lone_caller_is_not_kept_waiting(classifier):
+    """One client calling in a loop never waits for company: its calls run as they come."""
+    with loader.Batcher(classifier, max_delay_ms=5000) as batcher:
+        for seed in range(3):
+            batcher(*call_inputs(seed, seq=4))
+        waits = batcher.stats()["batching"]["queue_wait_ms"]
+    assert waits["count"] == 3 and waits["max"] < 2500  # the 5 s delay never applied

@@ -301,7 +301,7 @@ def test_metrics_count_requests_variants_rejections_and_shapes(live, classifier_
         c.post("/predict", json={"inputs": {"ids": [[1] * 49], "mask": [[True] * 49]}})
         c.post("/predict", content=b"nope")
         m = metrics(c)
-    assert m[("precompile_predict_seconds_count", (("variant", "dynamic"),))] == 4
+    assert m[("precompile_predict_seconds_count", (("precision", "fp32"), ("variant", "dynamic")))] == 4
     assert m[("precompile_requests_total", (("code", "200"),))] == 4
     assert m[("precompile_requests_total", (("code", "422"),))] == 2
     assert m[("precompile_rejections_total", (("reason", "out_of_range"),))] == 1
@@ -537,7 +537,8 @@ def test_serve_passes_the_trust_policy_and_limits_on(classifier_artifact, signin
     assert config.trusted_keys == (str(signing_keys[1]),) * 2 and config.min_version == 3 and config.refuse_rollback
     assert config.reload_root == str(tmp_path) and config.max_body_bytes == MIN_BODY_BYTES
     assert config.load_options() == {
-        "verify": True, "trusted_keys": [str(signing_keys[1])] * 2, "min_version": 3, "refuse_rollback": True
+        "verify": True, "trusted_keys": [str(signing_keys[1])] * 2, "min_version": 3, "refuse_rollback": True,
+        "precision": "auto",
     }
     monkeypatch.setenv(*config.to_env().popitem())  # how --workers N hands it to each worker
     assert ServeConfig.from_env() == config

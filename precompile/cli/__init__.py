@@ -37,6 +37,7 @@ def main() -> None:
 
 
 from . import build as _build  # noqa: E402,F401  (commands register themselves on main)
+from . import assemble as _assemble  # noqa: E402,F401
 from . import inspect as _inspect  # noqa: E402,F401
 from . import plan as _plan  # noqa: E402,F401
 from . import schema as _schema  # noqa: E402,F401
@@ -50,3 +51,6 @@ from . import verify as _verify  # noqa: E402,F401
 from . import push as _push  # noqa: E402,F401
 from . import pull as _pull  # noqa: E402,F401
 from . import ls as _ls  # noqa: E402,F401
+from . import init as _init  # noqa: E402,F401
+from . import doctor as _doctor  # noqa: E402,F401
+from . import promote as _promote  # noqa: E402,F401

@@ -41,9 +41,11 @@ def describe(manifest) -> str:
     for v in manifest.variants:
         ranges = ", ".join(f"{d}={r.min}" if r.min == r.max else f"{d} {r}" for d, r in v.dims.items())
         lines.append(
-            f"  {v.id:<18} {v.kind:<8} {v.device:<5} {ranges}" + (f"  ({v.dtype})" if v.dtype else "")
+            f"  {v.id:<18} {v.kind:<8} {v.device:<5} {v.precision:<5} {ranges}" + (f"  ({v.dtype})" if v.dtype else "")
             + ("  [own weights]" if v.embedded_constants else "")
         )
+        if v.precision != "fp32":
+            lines.append(f"  {'':<18} {_gate(v)}")
     if manifest.cuda is not None:
         c = manifest.cuda
         lines.append(
@@ -65,7 +67,26 @@ def describe(manifest) -> str:
             options = ",".join(f"{k}={v}" for k, v in t.get("options", {}).items()) or "defaults"
             result = f"{t['ms']:.3f} ms" if "ms" in t else f"failed: {str(t.get('error', ''))[:80]}"
             lines.append(f"  {'*' if t.get('kept') else ' '} {t.get('variant', '?'):<16} {options:<40} {result}")
+    gates = [g for g in (manifest.check.get("precision") or []) if isinstance(g, dict)] if manifest.check else []
+    dropped = [g for g in gates if not g.get("kept")]
+    if dropped:
+        lines.append("precision variants the gate dropped")
+        for g in dropped:
+            lines.append(f"  {str(g.get('variant', '?')):<18} {str(g.get('reason', ''))[:100]}")
     return "\n".join(lines)
+
+
+def _gate(v) -> str:
+    """A lower-precision variant's gate record in one line: accuracy per output, speed, CPU needs."""
+    g = v.gate if isinstance(v.gate, dict) else {}
+    parts = []
+    for a in g.get("accuracy", []) if isinstance(g.get("accuracy"), list) else []:
+        if isinstance(a, dict) and isinstance(a.get("value"), (int, float)):
+            parts.append(f"out{a.get('output')} {a.get('metric')} {a['value']:.4f} (gate {a.get('threshold')})")
+    if all(isinstance(g.get(k), (int, float)) for k in ("ms", "fp32_ms", "speedup")):
+        parts.append(f"{g['ms']:.3f} ms vs fp32 {g['fp32_ms']:.3f} ms ({g['speedup']:.2f}×)")
+    parts.append("needs " + (", ".join(v.cpu_features) or "no special CPU features"))
+    return "gate: " + "; ".join(parts)
 
 
 def _size(n: int) -> str:

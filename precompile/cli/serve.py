@@ -15,7 +15,7 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 @main.command()
-@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("artifact")  # a path, or a URL (kept as typed: Path would fold its //)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Server processes, each loading the artifact.")
@@ -26,7 +26,7 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Serve only artifacts signed by this public key (repeatable): the first load, --watch and reloads.")
 @click.option("--min-version", type=click.IntRange(min=0), help="Refuse artifact versions below N, at the first load, --watch and reloads.")
 @click.option("--refuse-rollback", is_flag=True, help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).")
-@click.option("--watch", is_flag=True, help="Follow ARTIFACT (a link or pointer file) and swap when a deploy replaces it.")
+@click.option("--watch", is_flag=True, help="Follow ARTIFACT (a link or pointer file, or a pointer object in a store such as s3://.../current) and swap when a deploy replaces it.")
 @click.option("--watch-interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True, help="Seconds between looks at ARTIFACT.")
 @click.option("--record", metavar="PATH", help="Write the observed shape histogram to PATH ({pid}: the process id).")
 @click.option("--record-interval", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="Seconds between writes of --record (and at shutdown).")
@@ -34,11 +34,12 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 @click.option("--max-batch", type=click.IntRange(min=1), help="With --batch: most rows one batch holds. Default: the largest batch a variant serves.")
 @click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True, help="With --batch: longest a call waits for batch-mates.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=1024, show_default=True, help="With --batch: calls waiting at most; more get HTTP 503.")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "int8"]), default="auto", show_default=True, help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
 @user_errors
 def serve(
-    artifact: Path,
+    artifact: str,
     host: str,
     port: int,
     workers: int,
@@ -57,13 +58,15 @@ def serve(
     max_batch: int | None,
     max_delay_ms: float,
     max_queue: int,
+    precision: str,
     no_verify: bool,
     log_level: str,
 ) -> None:
     """Serve ARTIFACT over HTTP: POST /predict, /healthz, /readyz, /metrics, /v1/artifact, and the
     Open Inference Protocol (KServe v2) under /v2.
 
-    ARTIFACT is an artifact folder or pack, or a link or pointer file naming one (see --watch). The
+    ARTIFACT is an artifact folder or pack, or a link or pointer file naming one, or a URL: a pack in
+    an object store or a pointer object naming one (`precompile promote`; see --watch). The
     model is loaded and warmed up in the background; /readyz answers 200 once it is. The trust options
     apply to every version served. Needs the serve extra: pip install 'precompile[serve]'.
     """
@@ -115,6 +118,7 @@ def serve(
         max_batch=max_batch,
         max_delay_ms=max_delay_ms,
         max_queue=max_queue,
+        precision=precision,
     )
     run(config, host=host, port=port, workers=workers, log_level=log_level)
 
@@ -133,7 +137,7 @@ def _missing(module: str) -> bool:
     return False
 
 
-def _preflight(artifact: Path, record: str | None, trusted_keys: tuple[Path, ...]) -> Manifest:
+def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]) -> Manifest:
     """Refuse at once what would only fail later in the background: no artifact, one for another host,
     a key that is not one, an unreadable traffic file. Returns the artifact's manifest."""
     from loader.host import check_compatible

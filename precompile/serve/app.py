@@ -142,15 +142,23 @@ class Service:
             )
         except ValueError:
             return self._error(500, "the outputs hold NaN or infinity, which JSON cannot carry", None)
-        self.metrics.latency.labels(variant).observe(time.perf_counter() - start)
-        self.metrics.shapes.labels(shape_bucket(_dims(serving.model, inputs))).inc()
-        self.metrics.requests.labels("200").inc()
+        self.count_served(serving, variant, inputs, start)
         return Response(payload, media_type="application/json")
 
-    def _error(self, code: int, detail: str, reason: str | None) -> JSONResponse:
+    def count_served(self, serving: Serving, variant: str, inputs: dict[str, Any], start: float) -> None:
+        """Count one successful prediction (/predict or /v2 infer): latency by variant, shape, 200."""
+        self.metrics.latency.labels(variant, _precision(serving.model, variant)).observe(time.perf_counter() - start)
+        self.metrics.shapes.labels(shape_bucket(_dims(serving.model, inputs))).inc()
+        self.metrics.requests.labels("200").inc()
+
+    def count_refused(self, code: int, reason: str | None) -> None:
+        """Count one prediction request (/predict or /v2 infer) answered with ``code``, and its reason."""
         self.metrics.requests.labels(str(code)).inc()
         if reason is not None:
             self.metrics.rejections.labels(reason).inc()
+
+    def _error(self, code: int, detail: str, reason: str | None) -> JSONResponse:
+        self.count_refused(code, reason)
         body: dict[str, Any] = {"detail": detail}
         if reason is not None:
             body["reason"] = reason
@@ -160,6 +168,9 @@ class Service:
         detail = f"the body is larger than the {self.max_body_bytes} bytes this server accepts (--max-body-bytes)"
         if path == "/predict":
             return self._error(413, detail, "too_large")
+        if path.startswith("/v2/models/") and path.endswith("/infer"):
+            self.count_refused(413, "too_large")
+            return JSONResponse({"error": detail}, status_code=413)
         return JSONResponse({"detail": detail}, status_code=413)
 
     # --- artifact and reload -------------------------------------------------------------------
@@ -302,6 +313,12 @@ def _json_body(schema: str, *, required: bool = True) -> dict[str, Any]:
     conversion, and the body limit counts bytes before anything is parsed)."""
     ref = {"$ref": f"#/components/schemas/{schema}"}
     return {"requestBody": {"required": required, "content": {"application/json": {"schema": ref}}}}
+
+
+def _precision(model: Any, variant: str) -> str:
+    """The precision a call ran in: its variant's ("a+b" from a pad or split: the first piece's)."""
+    first = variant.split("+", 1)[0]
+    return next((v.precision for v in model.variants if v.id == first), "fp32")
 
 
 def _dims(model, inputs: dict[str, Any]) -> dict[str, int]:

@@ -31,6 +31,7 @@ class ServeConfig:
     max_batch: int | None = None  # None: the largest batch a variant serves
     max_delay_ms: float = 2.0
     max_queue: int = 1024
+    precision: str = "auto"  # loader.load(precision=...): auto | fp32 | bf16 | int8
 
     def batcher_options(self) -> dict:
         """The keyword arguments ``loader.Batcher`` gets, with ``batch`` on."""
@@ -43,6 +44,7 @@ class ServeConfig:
             "trusted_keys": list(self.trusted_keys) or None,
             "min_version": self.min_version,
             "refuse_rollback": self.refuse_rollback,
+            "precision": self.precision,
         }
 
     def to_env(self) -> dict[str, str]:

@@ -1,10 +1,11 @@
 """The service's Prometheus metrics.
 
-    precompile_requests_total{code}                  /predict responses by HTTP status
-    precompile_predict_seconds{variant}              latency of successful predictions (histogram; _count
-                                                     is the number of requests each variant served)
+    precompile_requests_total{code}                  /predict and /v2 infer responses by HTTP status
+    precompile_predict_seconds{variant,precision}    latency of successful predictions (histogram; _count
+                                                     is the number of requests each variant served;
+                                                     precision: fp32, bf16 or int8)
     precompile_rejections_total{reason}              refused predictions: a guard's reason (out_of_range,
-                                                     dtype, ...), invalid_body or too_large
+                                                     dtype, ...), invalid_body, too_large or queue_full
     precompile_shape_calls_total{shape}              predictions per shape bucket (each dim rounded up
                                                      to a power of two: batch=3-4,seq=65-128)
     precompile_batch_size                            batches run by --batch, by size (histogram)
@@ -71,13 +72,13 @@ class Metrics:
             owner = None  # values live in files; the collector above reads every worker's
         else:
             owner = self.registry
-        self.requests = Counter("precompile_requests", "/predict responses by HTTP status", ["code"], registry=owner)
+        self.requests = Counter("precompile_requests", "/predict and /v2 infer responses by HTTP status", ["code"], registry=owner)
         self.latency = Histogram(
-            "precompile_predict_seconds", "Latency of successful /predict requests, by variant", ["variant"],
+            "precompile_predict_seconds", "Latency of successful /predict and /v2 infer requests, by variant and its precision", ["variant", "precision"],
             buckets=LATENCY_BUCKETS, registry=owner,
         )
         self.rejections = Counter(
-            "precompile_rejections", "Refused /predict requests by reason", ["reason"], registry=owner
+            "precompile_rejections", "Refused /predict and /v2 infer requests by reason", ["reason"], registry=owner
         )
         self.shapes = Counter(
             "precompile_shape_calls", "Predictions per shape bucket (dims rounded up to powers of two)", ["shape"],

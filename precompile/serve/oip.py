@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +36,7 @@ from loader.live import Serving
 from loader.manifest import Manifest, OutputSpec
 
 from .codec import BodyError, dumps, parse_json, to_tensor
+from .metrics import guard_reason
 
 if TYPE_CHECKING:
     from .app import Service
@@ -107,24 +109,32 @@ def mount_oip(app: FastAPI, service: Service) -> None:
     @router.post("/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
         """Run the model on JSON or binary tensors (the binary tensor data extension)."""
+        start = time.perf_counter()
         try:
             serving = _serving(service, name)
             body = await request.body()
             header = request.headers.get(HEADER_LENGTH)
             parsed = await run_in_threadpool(parse_infer_request, body, header, serving.model.manifest)
-            outputs, _, serving = await service.call(parsed.inputs)
-            return await run_in_threadpool(infer_response, serving, outputs, parsed)
-        except OIPError as e:
+            outputs, variant, serving = await service.call(parsed.inputs)
+            response = await run_in_threadpool(infer_response, serving, outputs, parsed)
+        except OIPError as e:  # counted as /predict counts its own: a malformed request is invalid_body
+            service.count_refused(e.status, "invalid_body" if e.status == 400 else None)
             return _error(e)
         except GuardError as e:
+            service.count_refused(400, guard_reason(e))
             return _error(OIPError(400, str(e)))
         except BatcherFull as e:
+            service.count_refused(503, "queue_full")
             return _error(OIPError(503, str(e)))
         except LoaderError as e:
+            service.count_refused(503, None)
             return _error(OIPError(503, str(e)))
         except Exception as e:  # noqa: BLE001: a bug or a runtime failure; this request fails, the server serves on
             log.exception("infer failed")
+            service.count_refused(500, None)
             return _error(OIPError(500, f"internal error: {type(e).__name__}: {e}"))
+        service.count_served(serving, variant, parsed.inputs, start)
+        return response
 
     app.include_router(router)
 

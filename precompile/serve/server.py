@@ -52,6 +52,10 @@ def reexec_with(env: dict[str, str]) -> None:
     os.execve(sys.executable, list(sys.orig_argv), {**os.environ, **env, REEXEC_MARK: "1"})
 
 
+# uvicorn's HTTP protocol with TCP_NODELAY on each connection (see precompile.serve.protocol).
+HTTP_PROTOCOL = "precompile.serve.protocol:NoDelayHTTPProtocol"
+
+
 def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level: str = "info") -> None:
     import uvicorn
 
@@ -60,7 +64,7 @@ def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, worke
         reexec_with(env)  # no return when it re-executes: the server then starts with the settings in effect
         from .app import create_app
 
-        uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)
+        uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, http=HTTP_PROTOCOL)
         return
     # Counters from every worker are summed through files in this folder (prometheus_client's
     # multiprocess mode, which reads the variable when a worker imports it).
@@ -72,7 +76,8 @@ def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, worke
     os.environ.update(env)
     try:
         uvicorn.run(
-            "precompile.serve.app:app_from_env", factory=True, host=host, port=port, workers=workers, log_level=log_level
+            "precompile.serve.app:app_from_env", factory=True, host=host, port=port, workers=workers, log_level=log_level,
+            http=HTTP_PROTOCOL,
         )
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

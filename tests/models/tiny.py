@@ -160,3 +160,68 @@ class DiesInWorker(nn.Module):
 
 def dies_in_worker() -> nn.Module:
     return DiesInWorker()
+
+
+class Encoder(nn.Module):
+    """A tiny transformer-like encoder: token embeddings, one masked self-attention layer (keys whose
+    mask is False get no weight), a feed-forward block, and a masked mean. Padding seq with mask False
+    leaves the real tokens' states and the pooled vector unchanged."""
+
+    def __init__(self, vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.norm1 = nn.LayerNorm(width)
+        self.ffn = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.norm2 = nn.LayerNorm(width)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor):
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(1, 2)) / (x.shape[-1] ** 0.5)
+        scores = scores.masked_fill(~mask.unsqueeze(1), -1e9)
+        x = self.norm1(x + scores.softmax(-1) @ v)
+        x = self.norm2(x + self.ffn(x))
+        m = mask.unsqueeze(-1).to(x.dtype)
+        return x, (x * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def encoder() -> nn.Module:
+    torch.manual_seed(4)
+    return Encoder()
+
+
+class LengthMean(nn.Module):
+    """Averages over every position, masked or not: padding seq changes the mean (divides by the
+    padded length), so a batching section that pads seq must be refused."""
+
+    def __init__(self, vocab: int = 50, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) * mask.unsqueeze(-1).to(torch.float32)
+        return self.head(x.mean(1))
+
+
+def length_mean() -> nn.Module:
+    torch.manual_seed(5)
+    return LengthMean()
+
+
+class BatchCentered(nn.Module):
+    """Subtracts the mean over the batch: a row's output depends on its batch-mates."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h - h.mean(0, keepdim=True)
+
+
+def batch_centered() -> nn.Module:
+    torch.manual_seed(6)
+    return BatchCentered()

@@ -1,0 +1,211 @@
+"""Precision variants against eager and the CPU peers: MiniLM (real weights) and ResNet-50.
+
+    .venv/bin/python -m bench.precision [--models minilm resnet50] [--seconds 1.0] [--out bench/results/precision.json]
+
+For each model: builds ``profiles/bench/<model>_precision.yaml`` (fp32, bf16 and int8 under the
+accuracy gate; MiniLM's calibration inputs are real sentences: minilm_calibration.jsonl, written by
+``--write-calibration``), exports the ONNX
+file the peers serve, then times on a fixed set of shapes, one method after another per shape:
+fp32 eager (torch.no_grad), each precision the artifact kept (``loader.load(precision=...)``), ONNX
+Runtime, OpenVINO with its defaults (bf16 on this CPU) and OpenVINO f32. Prints and writes the
+median ms per shape, their sum, and each method's accuracy against fp32 eager (smallest cosine
+similarity of output rows on the calibration inputs: for MiniLM, sentence embeddings).
+
+Needs the bench extra (make venv-bench). Run it on a quiet machine: about 15 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = ROOT / "profiles" / "bench"
+
+SHAPES = {
+    # The shapes the issue measured on (batch × tokens).
+    "minilm": [{"batch": 1, "seq": 16}, {"batch": 1, "seq": 64}, {"batch": 4, "seq": 32}, {"batch": 8, "seq": 128}, {"batch": 2, "seq": 100}],
+    "resnet50": [
+        {"batch": 1, "height": 128, "width": 128},
+        {"batch": 2, "height": 96, "width": 96},
+        {"batch": 1, "height": 64, "width": 112},
+        {"batch": 2, "height": 128, "width": 80},
+    ],
+}
+
+SENTENCES = [
+    "A man is playing a guitar on the stage while the crowd sings along with him.",
+    "The new phone has a better camera, but its battery does not last as long as the old one.",
+    "Children were building a large sand castle near the water before the tide came in.",
+    "Our quarterly revenue grew by twelve percent, driven mostly by subscriptions in Europe.",
+    "She forgot her umbrella at the station and walked home through the heavy rain.",
+    "The recipe calls for two cups of flour, a pinch of salt and three fresh eggs.",
+    "Scientists observed a distant galaxy whose light left it more than ten billion years ago.",
+    "Please reset your password using the link we sent to your email address yesterday.",
+    "The train to the airport was delayed by forty minutes because of a signal failure.",
+    "A small dog is chasing a red ball across the park while its owner watches.",
+    "The committee will review every application and announce the results next month.",
+    "Heavy snowfall closed the mountain pass, and drivers were told to take the coast road.",
+    "He spent the weekend repairing the old bicycle he found in his grandfather's garage.",
+    "The museum's new exhibition shows paintings that have never been displayed in public before.",
+    "Customers complained that the checkout page froze whenever they applied a discount code.",
+    "Two women are sitting at a cafe table, talking and drinking coffee in the afternoon sun.",
+]
+
+
+def write_minilm_calibration(path: Path) -> None:
+    """Real sentences as calibration inputs: each alone, and groups of four cut to the shortest."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(PROFILES))
+    import models  # profiles/bench/models.py
+
+    tokenizer = AutoTokenizer.from_pretrained(models.minilm_path(), local_files_only=True)
+    rows = [tokenizer(s)["input_ids"] for s in SENTENCES]
+    with path.open("w", encoding="utf-8") as f:
+        for ids in rows:
+            f.write(json.dumps({"input_ids": [ids], "attention_mask": [[1] * len(ids)]}) + "\n")
+        for k in range(0, len(rows), 4):
+            group = rows[k : k + 4]
+            n = min(len(r) for r in group)
+            f.write(json.dumps({"input_ids": [r[:n] for r in group], "attention_mask": [[1] * n] * len(group)}) + "\n")
+
+
+def median_ms(fn: Callable[[], Any], seconds: float) -> float:
+    fn()
+    fn()
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    times = []
+    for _ in range(max(5, min(500, int(seconds / max(once, 1e-6))))):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().reshape(-1, a.shape[-1]), b.double().reshape(-1, b.shape[-1])
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
+
+
+def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
+    from precompile.build import build
+    from precompile.precision import calibration_inputs
+    from precompile.profile import load_profile
+    from precompile.resolve import resolve_model
+
+    import loader
+
+    from .onnx_export import export_onnx
+    from .peers import open_engine
+
+    folder = work / name
+    shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    profile_path = folder / f"{name}_precision.yaml"
+    start = time.perf_counter()
+    result = build(profile_path, folder / "artifact")
+    build_s = time.perf_counter() - start
+    log(f"{name}: built in {build_s:.0f} s: {', '.join(v.id for v in result.manifest.variants)}")
+    loaded = load_profile(profile_path)
+    profile = loaded.profile
+    model = resolve_model(loaded)
+    onnx = export_onnx(model, profile, folder / "model.onnx")
+    threads = torch.get_num_threads()
+
+    methods: dict[str, Callable[[tuple], torch.Tensor]] = {}
+
+    def eager(args: tuple) -> torch.Tensor:
+        with torch.no_grad():
+            return model(*args)
+
+    methods["eager fp32"] = eager
+    for precision in ("fp32", "bf16", "int8"):
+        if any(v.precision == precision for v in result.manifest.variants):
+            compiled = loader.load(result.path, precision=precision)
+            methods[f"precompile {precision}"] = lambda args, m=compiled: m(*args)
+    if len({v.precision for v in result.manifest.variants}) > 1:  # what loader.load serves by default
+        compiled = loader.load(result.path)
+        methods["precompile auto"] = lambda args, m=compiled: m(*args)
+    names = list(profile.inputs)
+    engines: dict[str, Any] = {}
+    if "path" in onnx:
+        for method, label in (("onnxruntime", "ONNX Runtime"), ("openvino", "OpenVINO default"), ("openvino-f32", "OpenVINO f32")):
+            run, facts = open_engine(method, onnx["path"], threads)
+            engines[label] = facts
+            methods[f"{label} ({facts['precision']})"] = lambda args, r=run: torch.from_numpy(r({n: t.numpy() for n, t in zip(names, args)})[0])
+    else:
+        log(f"{name}: ONNX export failed, peers skipped: {onnx['failed']}")
+
+    samples = [args for _, args in calibration_inputs(loaded)]
+    accuracy = {}
+    for label, fn in methods.items():
+        accuracy[label] = min(cosine(fn(args), eager(args)) for args in samples)
+
+    from precompile.samples import make_inputs
+
+    rows = []
+    for i, sizes in enumerate(SHAPES[name]):
+        args = make_inputs(profile, sizes, seed=100 + i)
+        row = {"dims": sizes}
+        for label, fn in methods.items():
+            row[label] = median_ms(lambda: fn(args), seconds)
+        rows.append(row)
+        log(f"  {sizes}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "dims"))
+    totals = {label: sum(r[label] for r in rows) for label in methods}
+    gate = result.manifest.check.get("precision", [])
+    return {
+        "model": name,
+        "build_seconds": build_s,
+        "variants": [v.id for v in result.manifest.variants],
+        "gate": gate,
+        "shapes": rows,
+        "total_ms": totals,
+        "min_cosine_vs_eager": accuracy,
+        "calibration_samples": len(samples),
+        "engines": engines,
+        "threads": threads,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["minilm", "resnet50"], choices=sorted(SHAPES))
+    parser.add_argument("--seconds", type=float, default=1.0, help="timing per method per shape")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "precision.json")
+    parser.add_argument("--write-calibration", action="store_true", help="rewrite profiles/bench/minilm_calibration.jsonl and stop")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.write_calibration:
+        write_minilm_calibration(PROFILES / "minilm_calibration.jsonl")
+        return
+    results = []
+    with tempfile.TemporaryDirectory(prefix="precision-bench-") as tmp:
+        for name in args.models:
+            results.append(run_model(name, Path(tmp), args.seconds, lambda s: print(s, flush=True)))
+    for r in results:
+        print(f"\n{r['model']}: sum of median ms over {len(r['shapes'])} shapes; min cosine vs fp32 eager on {r['calibration_samples']} calibration inputs")
+        eager = r["total_ms"]["eager fp32"]
+        for label, total in sorted(r["total_ms"].items(), key=lambda kv: kv[1]):
+            print(f"  {label:<28} {total:8.1f} ms  {eager / total:5.2f}× eager   cosine {r['min_cosine_vs_eager'][label]:.4f}")
+    if args.out.exists():  # keep the other models' results from an earlier run
+        earlier = json.loads(args.out.read_text()).get("results", [])
+        results += [r for r in earlier if r["model"] not in args.models]
+    args.out.write_text(json.dumps({"results": results, "cpu": torch.cpu.get_capabilities().get("cpu_name")}, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

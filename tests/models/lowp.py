@@ -1,0 +1,46 @@
+"""Small real models for the precision tests: Linear layers (int8 dynamic, bf16) and convolutions
+(int8 static, calibrated)."""
+
+import torch
+
+
+class Encoder(torch.nn.Module):
+    """Token embeddings, a residual MLP block and mean pooling over the unmasked tokens."""
+
+    def __init__(self, vocab: int = 50, width: int = 64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, ids, mask):
+        x = self.emb(ids)
+        x = x + self.down(torch.relu(self.up(x)))
+        m = mask.unsqueeze(-1).to(x.dtype)
+        pooled = (x * m).sum(1) / m.sum(1).clamp(min=1)
+        return self.head(pooled), ids.sum(1)
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(16)
+        self.c2 = torch.nn.Conv2d(16, 32, 3, padding=1, stride=2)
+        self.fc = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.c1(x)))
+        x = torch.relu(self.c2(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def encoder(vocab: int = 50, width: int = 64):
+    return Encoder(vocab, width).eval()
+
+
+def convnet():
+    return ConvNet().eval()
