@@ -29,7 +29,7 @@ import torch.fx.experimental._config as _shape_config
 from loader.constants import DTYPES, INTEGER_DTYPES
 from loader.guards import TORCH_DTYPES
 
-from .errors import ExportError, ModelError, PrecompileError
+from .errors import ExportError, ModelError, PrecompileError, ProfileError
 from .infer import capture_torch_logs, input_axes, output_axes, symbol_ranges, table_bounds
 from .profile import LoadedProfile, Profile
 from .progress import Progress
@@ -172,7 +172,17 @@ def init_profile(
     profile_name = name or re.sub(r"[^a-z0-9._-]+", "-", factory.rpartition(":")[2].lower()).strip("-._") or "model"
     draft = _draft(profile_name, factory, kwargs or {}, calls[0], names, None, output)
     with progress.stage("resolve", factory):
-        inner = resolve_model(draft)
+        try:
+            inner = resolve_model(draft)
+        except ProfileError as e:
+            folder = output.resolve().parent
+            if folder != Path.cwd().resolve() and any("cannot import" in m for _, m in e.problems):
+                hint = (
+                    f"the module is imported from the folder the profile is written to ({folder}), as build will: "
+                    "write the profile beside the module (-o), or make the module importable (PYTHONPATH)"
+                )
+                raise ProfileError(e.source, [*e.problems, ("model.factory", hint)]) from None
+            raise
         inner = inner.model if hasattr(inner, "names") else inner
         names = _forward_order(inner, names)
         draft = _draft(profile_name, factory, kwargs or {}, calls[0], names, None, output)

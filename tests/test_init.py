@@ -135,3 +135,15 @@ def test_traffic_gives_the_calls_and_the_distribution(tmp_path):
     raw = yaml.safe_load((folder / "p.yaml").read_text())
     assert raw["distribution"]["shapes"] == [{"batch": 2, "seq": 16, "count": 30}, {"batch": 1, "seq": 40, "count": 5}]
     load_profile(folder / "p.yaml")
+
+
+def test_a_profile_written_away_from_its_module_says_where_the_module_is_looked_for(tmp_path):
+    models = folder_with_models(tmp_path / "models")
+    elsewhere = tmp_path / "profiles"
+    elsewhere.mkdir()
+    result = CliRunner().invoke(
+        main, ["init", "hf_tiny:bert", "--example", "input_ids=2x16:int64", "-o", str(elsewhere / "bert.yaml")], catch_exceptions=False
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "cannot import 'hf_tiny'" in result.output and f"the folder the profile is written to ({elsewhere})" in result.output
+    assert not (elsewhere / "bert.yaml").exists() and models.is_dir()
