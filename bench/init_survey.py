@@ -24,77 +24,74 @@ import torch
 SMALL = dict(num_hidden_layers=1, num_attention_heads=2, intermediate_size=37)
 
 
+def _seeded_transformers():
+    """transformers, with torch's seed reset: the artifact's weights and the reference's must be the
+    same random ones."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers
+
+
 def bert():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.BertModel(T.BertConfig(vocab_size=100, hidden_size=32, max_position_embeddings=64, **SMALL))
 
 
 def roberta():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.RobertaModel(T.RobertaConfig(vocab_size=100, hidden_size=32, max_position_embeddings=66, **SMALL))
 
 
 def distilbert():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.DistilBertModel(T.DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=37, max_position_embeddings=64))
 
 
 def gpt2():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0))
 
 
 def t5():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.T5Model(T.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=37, num_layers=1, num_heads=2, decoder_start_token_id=0))
 
 
 def bart():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.BartModel(T.BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                                     decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64))
 
 
 def clip_text():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.CLIPTextModel(T.CLIPTextConfig(vocab_size=100, hidden_size=32, max_position_embeddings=32, **SMALL))
 
 
 def vit():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.ViTModel(T.ViTConfig(image_size=32, patch_size=8, hidden_size=32, **SMALL))
 
 
 def swin():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.SwinModel(T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4))
 
 
 def resnet():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.ResNetModel(T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"))
 
 
 def wav2vec2():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     return T.Wav2Vec2Model(T.Wav2Vec2Config(hidden_size=32, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
                                             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, **SMALL))
 
 
 def whisper_encoder():
-    import transformers as T
-    torch.manual_seed(0)  # the artifact's weights and the reference's must be the same random ones
+    T = _seeded_transformers()
     config = T.WhisperConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                              decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, num_mel_bins=16, max_source_positions=16,
                              pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)

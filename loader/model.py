@@ -19,6 +19,7 @@ import torch
 from . import constants as C
 from .errors import ArtifactError, GuardError, IncompatibleArtifactError
 from .guards import TORCH_DTYPES, InputGuard
+from .host import host_facts
 from .manifest import Manifest, OutputSpec, Variant
 from .cuda import GraphedRunner, parse_device
 from .policy import Policies
@@ -71,6 +72,7 @@ class CompiledModel:
         self._runners = runners
         self._variants = tuple(v for v in manifest.variants if v.id in runners)
         self.precision = precision  # the precisions served, preferred first, and why others are not
+        self.variant_precision = {v.id: v.precision for v in self._variants}
         self._guard = InputGuard(
             manifest.inputs,
             manifest.dims,
@@ -206,7 +208,7 @@ class CompiledModel:
             return {
                 "calls": self._total,
                 "variants": {
-                    vid: {"calls": c, "pieces": p, "seconds": s, "precision": self._precision_of[vid]}
+                    vid: {"calls": c, "pieces": p, "seconds": s, "precision": self.variant_precision[vid]}
                     for vid, (c, p, s) in self._calls.items()
                 },
                 "precision": {"served": list(self.precision.order), "skipped": dict(self.precision.skipped)},
@@ -221,7 +223,6 @@ class CompiledModel:
         with self._stats_lock:
             self._total = 0
             self._calls = {vid: [0, 0, 0.0] for vid in self._runners}  # calls, pieces, seconds
-            self._precision_of = {v.id: v.precision for v in self._variants}
             self._shapes = {}
             self._shapes_dropped = 0
 
@@ -454,9 +455,8 @@ def _check_constants(manifest: Manifest, weights: MappedWeights) -> None:
 
 
 def host_cpu_features() -> frozenset[str]:
-    from .host import cpu_features
-
-    return cpu_features()
+    """This CPU's features, as the host check read them (once per process)."""
+    return host_facts().cpu_features
 
 
 def _first_line(e: BaseException) -> str:

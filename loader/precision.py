@@ -52,10 +52,8 @@ class Choice:
 
 
 def choose(variants: tuple[Variant, ...] | list[Variant], requested: str, features: frozenset[str], source: str) -> Choice:
-    """Decide which of ``variants`` (one device's) serve, for a ``requested`` precision on a host
-    with CPU ``features``."""
-    if requested not in REQUESTS:
-        raise ValueError(f"precision={requested!r}: expected one of {', '.join(REQUESTS)}")
+    """Decide which of ``variants`` (one device's) serve, for a ``requested`` precision (one of
+    ``REQUESTS``: ``load`` checks it before opening anything) on a host with CPU ``features``."""
     present: dict[str, list[Variant]] = {}
     for v in variants:
         present.setdefault(v.precision, []).append(v)

@@ -13,7 +13,6 @@ import datetime
 import os
 import platform
 import shutil
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,12 +45,13 @@ from .precision import (
     export_variant,
     gate_precisions,
     needed_features,
+    quiet_third_party_warnings,
 )
 from .profile import LoadedProfile, Profile, load_profile
 from .progress import Progress
 from .resolve import resolve_model
 from .samples import check_shapes, make_inputs, to_device
-from .tune import Trial, describe, tune_variants
+from .tune import Trial, describe, time_calls, tune_variants
 from .values import (
     IndexTable,
     check_declared_ranges,
@@ -255,19 +255,6 @@ def finish(
         f"max abs error {report.max_abs_error:.2e}"
     )
     return BuildResult(target, manifest, plan, report, seconds, measured)
-
-
-# Warnings printed on import by packages a model may pull in, that say nothing about the build:
-# torchao (imported by transformers when installed) lists each optional CUDA extension it cannot load
-# on a CPU host, and torch's pytree warns about torchao's enum registrations.
-NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
-def quiet_third_party_warnings() -> None:
-    import logging
-
-    for name in NOISY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # --- targets -----------------------------------------------------------------------------------
@@ -653,8 +640,9 @@ def write_references(loaded: LoadedProfile, model: torch.nn.Module, folder: Path
 # --- measuring static variants -------------------------------------------------------------------
 
 
-def measure_statics(compiled: loader.CompiledModel, profile: Profile, repeats: int = 30) -> list[dict[str, Any]]:
-    """Time each static variant against the dynamic variant that would serve its shape otherwise."""
+def measure_statics(compiled: loader.CompiledModel, profile: Profile, seconds: float = 0.5) -> list[dict[str, Any]]:
+    """Time each static variant against the dynamic variant that would serve its shape otherwise,
+    calls interleaved (``tune.time_calls``)."""
     out = []
     mine = [v for v in compiled.variants if v.device == compiled.device_type and v.precision == "fp32"]
     dynamic = [v for v in mine if v.kind == "dynamic"]
@@ -667,8 +655,11 @@ def measure_statics(compiled: loader.CompiledModel, profile: Profile, repeats: i
             continue
         args = to_device(make_inputs(profile, sizes, seed=profile.check.seed), v.device, None)
         sync = torch.cuda.synchronize if v.device == "cuda" else (lambda: None)
-        static_ms = _median_ms(lambda: (compiled.run_variant(v.id, *args), sync()), repeats)
-        dynamic_ms = _median_ms(lambda: (compiled.run_variant(fallback.id, *args), sync()), repeats)
+        static_ms, dynamic_ms = time_calls(
+            lambda: (compiled.run_variant(v.id, *args), sync()),
+            lambda: (compiled.run_variant(fallback.id, *args), sync()),
+            seconds=seconds,
+        )
         speedup = dynamic_ms / static_ms if static_ms > 0 else float("inf")
         out.append(
             {
@@ -682,17 +673,6 @@ def measure_statics(compiled: loader.CompiledModel, profile: Profile, repeats: i
             }
         )
     return out
-
-
-def _median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
 
 
 def _check_expires(expires: str | None) -> None:

@@ -27,8 +27,6 @@ import copy
 import io
 import json
 import random
-import statistics
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -45,6 +43,7 @@ from .export import export_model
 from .plan import VariantPlan
 from .profile import AccuracyRule, LoadedProfile, Profile
 from .samples import check_shapes, make_inputs
+from .tune import open_candidate, serving_shapes, time_calls
 
 # CPU features (torch.cpu.get_capabilities() names) whose instructions a precision's kernels may use.
 # A variant records those of the build host; a serving host lacking any of them gets fp32 instead.
@@ -159,12 +158,23 @@ def _export_static_int8(model: torch.nn.Module, loaded: LoadedProfile, vp: Varia
         raise ExportError(f"re-exporting the int8 (static) model failed: {e}") from None
 
 
+# Warnings printed on import by packages a model may pull in, that say nothing about the build:
+# torchao (imported by transformers when installed) lists each optional CUDA extension it cannot load
+# on a CPU host, and torch's pytree warns about torchao's enum registrations.
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_party_warnings() -> None:
+    import logging
+
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 @contextlib.contextmanager
 def quiet_torchao():
     """torchao warns, on import, about every optional CUDA extension it cannot load (on every CPU host),
     and prints through stdout for some: none of it concerns the build."""
-    from .build import quiet_third_party_warnings
-
     quiet_third_party_warnings()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         yield
@@ -354,8 +364,6 @@ def gate_precisions(
     results. Each is checked for accuracy on its own; those that pass are timed with their fp32 twin
     and the twin's other precisions in the same interleaved rounds, so that their times compare (the
     loader ranks them by it). A dropped package's file is deleted."""
-    from .tune import open_candidate, serving_shapes
-
     profile = loaded.profile
     dims = tuple(profile.dims)
     calibration = calibration_inputs(loaded)
@@ -449,22 +457,3 @@ def _time_together(profile: Profile, runs: list[Callable], shapes: list[tuple[di
         for k, ms in enumerate(time_calls(*[lambda run=run: run(*args) for run in runs])):
             totals[k] += weight * ms
     return totals
-
-
-def time_calls(*fns: Callable[[], Any], seconds: float = 0.4) -> list[float]:
-    """Median ms per call of each of ``fns``, calls interleaved, for about ``seconds`` in all."""
-    for fn in fns:
-        fn()
-        fn()
-    start = time.perf_counter()
-    for fn in fns:
-        fn()
-    once = (time.perf_counter() - start) / len(fns)
-    rounds = max(7, min(300, int(seconds / max(once * len(fns), 1e-6))))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for k, fn in enumerate(fns):
-            t = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - t) * 1000)
-    return [statistics.median(t) for t in times]

@@ -118,7 +118,7 @@ def build_part(
     mine = share(tasks, k, n)
     progress.note(f"shard {k}/{n}: {len(mine)} of {len(tasks)} units")
     start = time.perf_counter()
-    staging = _part_staging(target)
+    staging = staging_folder(target, marker=PART_FILE, what="a build part")
     try:
         (staging / C.VARIANTS_DIR).mkdir()
         (staging / CONSTANTS_DIR).mkdir()
@@ -168,15 +168,6 @@ def build_part(
     seconds = time.perf_counter() - start
     progress.note(f"{target}: part {k}/{n}, {len(built)} unit(s) compiled in {seconds:.1f} s; assemble all {n} parts with precompile assemble")
     return PartResult(target, (k, n), [b["file"] for b in built], seconds)
-
-
-def _part_staging(target: Path) -> Path:
-    if target.exists() and not (target / PART_FILE).is_file() and any(target.iterdir()):
-        raise PrecompileError(f"{target}: exists and is not a build part; refusing to replace it (choose another -o)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
 
 
 def _plan_to_dict(vp: VariantPlan) -> dict[str, Any]:

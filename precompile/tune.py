@@ -93,7 +93,7 @@ def measure(
     """Check ``run`` (a callable taking the inputs) against eager on each shape and time it there.
 
     Returns (traffic-weighted mean of the median ms per shape, max abs error). Raises CheckError when
-    it disagrees with eager. Runs enough calls for about ``seconds_per_shape`` per shape (at least 5).
+    it disagrees with eager. Runs enough calls for about ``seconds_per_shape`` per shape (at least 7).
     """
     report = CheckReport()
     weighted = 0.0
@@ -103,19 +103,29 @@ def measure(
         want = run_eager(model, args)
         args = to_device(args, vp.device, vp.dtype)
         compare(profile, want, run(*args), sizes, vp.id, report, compute_dtype=vp.dtype)
-        start = time.perf_counter()
-        run(*args)
-        sync()
-        once = time.perf_counter() - start
-        repeats = max(5, min(200, int(seconds_per_shape / max(once, 1e-6))))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run(*args)
-            sync()
-            times.append((time.perf_counter() - start) * 1000)
-        weighted += weight * statistics.median(times)
+        (ms,) = time_calls(lambda: (run(*args), sync()), seconds=seconds_per_shape)
+        weighted += weight * ms
     return weighted, report.max_abs_error
+
+
+def time_calls(*fns: Callable[[], Any], seconds: float = 0.4) -> list[float]:
+    """Median ms per call of each of ``fns``, calls interleaved round by round (so that a change in
+    the machine's load hits all of them alike), for about ``seconds`` in all: at least 7 rounds."""
+    for fn in fns:
+        fn()
+        fn()
+    start = time.perf_counter()
+    for fn in fns:
+        fn()
+    once = (time.perf_counter() - start) / len(fns)
+    rounds = max(7, min(300, int(seconds / max(once * len(fns), 1e-6))))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for k, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t) * 1000)
+    return [statistics.median(t) for t in times]
 
 
 def choose(trials: list[Trial]) -> Trial:

@@ -21,13 +21,12 @@ from loader.manifest import ConstantSpec, FileEntry
 from .errors import PrecompileError
 
 
-def staging_folder(target: Path) -> Path:
-    """A new empty folder on the target's file system, so the final rename is atomic."""
+def staging_folder(target: Path, *, marker: str = C.MANIFEST_FILE, what: str = "a precompile artifact") -> Path:
+    """A new empty folder on the target's file system, so the final rename is atomic. A non-empty
+    ``target`` without ``marker`` (not ``what`` this writes) is refused, never replaced."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists() and not (target / C.MANIFEST_FILE).is_file() and any(target.iterdir()):
-        raise PrecompileError(
-            f"{target}: exists and is not a precompile artifact; refusing to replace it (choose another -o)"
-        )
+    if target.exists() and not (target / marker).is_file() and any(target.iterdir()):
+        raise PrecompileError(f"{target}: exists and is not {what}; refusing to replace it (choose another -o)")
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
 
 

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import loader
-from tests.test_serve_load import DEADLINE, ROOT, free_port, wait_ready
+from tests.test_serve_load import DEADLINE, serve_command
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -28,23 +24,8 @@ MODEL = "tiny-classifier"
 @pytest.fixture(scope="module")
 def served(classifier_artifact):
     """`precompile serve ARTIFACT --batch`; yields the host:port the client connects to."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    command = [
-        sys.executable, "-m", "precompile", "serve", str(classifier_artifact), "--port", str(port),
-        "--batch", "--max-delay-ms", "20", "--log-level", "warning",
-    ]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}")
+    with serve_command(classifier_artifact, "--batch", "--max-delay-ms", "20") as port:
         yield f"127.0.0.1:{port}"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.communicate(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
 
 
 @pytest.fixture(scope="module")

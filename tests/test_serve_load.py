@@ -247,18 +247,33 @@ def _reloads(text: str) -> float:
     return 0.0
 
 
+@contextmanager
+def serve_command(artifact: Path, *options: str):
+    """`precompile serve ARTIFACT OPTIONS` as a process on a free loopback port, ready; yields the port
+    and stops it with SIGTERM (killed if it does not stop in time)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = [sys.executable, "-m", "precompile", "serve", str(artifact), "--port", str(port), "--log-level", "warning", *options]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}")
+        yield port
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.communicate(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+
+
 def test_workers_answer_without_the_delayed_ack_wait(classifier_artifact):
     """`precompile serve --workers 2`: every worker turns Nagle's algorithm off on its connections.
     Without it, each response waited for the client's delayed ACK: 44 ms per GET /healthz on
     loopback, against well under 1 ms (precompile.serve.protocol)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    command = [sys.executable, "-m", "precompile", "serve", str(classifier_artifact), "--port", str(port), "--workers", "2", "--log-level", "warning"]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}")
-        import http.client
+    import http.client
 
+    with serve_command(classifier_artifact, "--workers", "2") as port:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # no TCP_NODELAY on this side
         times = []
         for _ in range(15):
@@ -269,12 +284,5 @@ def test_workers_answer_without_the_delayed_ack_wait(classifier_artifact):
             assert response.status == 200
             times.append(time.perf_counter() - start)
         connection.close()
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.communicate(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
     times.sort()
     assert times[len(times) // 2] < 0.025, f"median {times[len(times) // 2] * 1000:.1f} ms: the responses waited for delayed ACKs"

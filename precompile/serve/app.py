@@ -317,8 +317,7 @@ def _json_body(schema: str, *, required: bool = True) -> dict[str, Any]:
 
 def _precision(model: Any, variant: str) -> str:
     """The precision a call ran in: its variant's ("a+b" from a pad or split: the first piece's)."""
-    first = variant.split("+", 1)[0]
-    return next((v.precision for v in model.variants if v.id == first), "fp32")
+    return model.variant_precision.get(variant.split("+", 1)[0], "fp32")
 
 
 def _dims(model, inputs: dict[str, Any]) -> dict[str, int]:
