@@ -130,6 +130,20 @@ def member_bytes(size: int) -> int:
 MAX_HEAD_BYTES = member_bytes(C.MAX_MANIFEST_BYTES) + member_bytes(C.MAX_SIGNATURE_BYTES) + (1 << 20)
 
 
+def max_pack_bytes(head: PackHead) -> int:
+    """The most bytes a pack with this head can take: every member stored raw, plus zstandard's
+    worst-case growth (``ZSTD_compressBound``) over at most ``MAX_FRAMES`` frames. A larger object
+    has bytes appended, and can be refused as soon as its head is read."""
+    content = (
+        member_bytes(len(head.manifest_bytes))
+        + (member_bytes(len(head.signature)) if head.signature is not None else 0)
+        + sum(member_bytes(e.size) for e in head.manifest.files.values())
+        + 2 * C.TAR_BLOCK
+        + C.MAX_TAR_TRAILER
+    )
+    return content + content // 255 + MAX_FRAMES * (64 + ZSTD_MAX_FRAME_HEADER + 4)
+
+
 def write_pack(root: str | os.PathLike, out: BinaryIO, *, level: int = 3, threads: int = 0, signature: bytes | None = None) -> Manifest:
     """Write the artifact folder ``root`` to ``out`` as a pack; return its manifest.
 

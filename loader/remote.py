@@ -44,7 +44,7 @@ from .cache import Cache
 from .errors import ArtifactError, LoaderError
 from .fs import check_private, write_atomic
 from .manifest import MAX_INT, NAME_RE, _Reader
-from .pack import MAX_HEAD_BYTES, PackHead, read_partial_head
+from .pack import MAX_HEAD_BYTES, PackHead, max_pack_bytes, read_partial_head
 from .artifact import manifest_digest, read_signature
 
 ENDPOINT_ENV = "PRECOMPILE_S3_ENDPOINT_URL"
@@ -384,7 +384,7 @@ def open_url(
     fd, tmp = tempfile.mkstemp(prefix="download-", suffix=C.PACK_SUFFIX, dir=cache.tmp_dir)
     try:
         with _named_as(tmp, url), os.fdopen(fd, "wb") as out:
-            sha256 = download(fs, path, url, _HeadWatch(out, Path(tmp), admit).write, size)
+            sha256 = download(fs, path, url, _HeadWatch(out, Path(tmp), size, admit).write, size)
             if entry is not None and sha256 != entry.sha256:
                 raise ArtifactError(f"{url}: its sha256 is not the one in {INDEX_FILE} (changed in the store, or corrupt)")
             out.close()
@@ -403,10 +403,11 @@ def open_url(
 class _HeadWatch:
     """A download's ``write``: the bytes go to ``out`` (the file at ``path``) and, until they hold the
     pack's head, are read back for it after each chunk; ``admit(head)`` then runs once. ArtifactError
-    as soon as the bytes are not a pack's head, or still hold none after ``MAX_HEAD_BYTES``."""
+    as soon as the bytes are not a pack's head, or still hold none after ``MAX_HEAD_BYTES``, or the
+    object (``size`` bytes) is larger than a pack of that manifest can be."""
 
-    def __init__(self, out: Any, path: Path, admit: Callable[[PackHead], Any] | None):
-        self.out, self.path, self.admit = out, path, admit
+    def __init__(self, out: Any, path: Path, size: int, admit: Callable[[PackHead], Any] | None):
+        self.out, self.path, self.size, self.admit = out, path, size, admit
         self.written = 0
         self.head: PackHead | None = None
 
@@ -420,8 +421,12 @@ class _HeadWatch:
         if self.head is None:
             if self.written > MAX_HEAD_BYTES:
                 raise ArtifactError(f"{self.path}: no pack head (manifest, signature) in its first {MAX_HEAD_BYTES} bytes; not a pack")
-        elif self.admit is not None:
+            return
+        if self.admit is not None:
             self.admit(self.head)
+        most = max_pack_bytes(self.head)
+        if self.size > most:
+            raise ArtifactError(f"{self.path}: {self.size} bytes, more than the {most} a pack of its manifest can take (bytes appended?)")
 
 
 class _Enough(Exception):
@@ -440,7 +445,7 @@ def read_remote_head(url: str) -> PackHead:
 
     try:
         with _named_as(tmp, url), os.fdopen(fd, "wb") as out:
-            watch = _HeadWatch(out, Path(tmp), enough)
+            watch = _HeadWatch(out, Path(tmp), size, enough)
             try:
                 download(fs, path, url, watch.write, size)
             except _Enough:

@@ -187,6 +187,15 @@ def test_an_unsigned_pack_followed_by_junk_is_refused_after_its_head(s3, classif
     assert cache_state(s3.root.parent) == ([], [])
 
 
+def test_a_pack_followed_by_more_junk_than_its_manifest_accounts_for_is_refused_after_its_head(s3, classifier_pack, written):
+    url = f"{STORE}/appended/1.tar.zst"
+    put(url, classifier_pack.read_bytes() + bytes(JUNK))
+    with pytest.raises(ArtifactError, match=rf"^{url}: {classifier_pack.stat().st_size + JUNK} bytes, more than the \d+ a pack of its manifest can take \(bytes appended\?\)$"):
+        loader.load(url)  # no trust policy: the head is admitted, its size is not
+    assert len(written) == 1 and written[0] <= remote.FIRST_CHUNK
+    assert cache_state(s3.root.parent) == ([], [])
+
+
 def test_junk_that_is_not_a_pack_is_refused_after_its_first_read(s3, written):
     url = f"{STORE}/junk/1.tar.zst"
     put(url, b"\x28\xb5\x2f\xfd" + os.urandom(JUNK))  # a zstandard magic number, then noise
