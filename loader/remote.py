@@ -363,6 +363,8 @@ def open_url(
     size the store's index records for it (``index.json`` beside it, when there is one), and as soon
     as its first bytes hold the pack's head when ``admit(head)`` raises (the trust policy, expiry,
     host): a hostile object costs one small read, and what was written to ``tmp/`` is removed."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+        raise LoaderError(f"max_bytes={max_bytes!r}: expected a positive number of bytes")
     cache = Cache(cache_dir)
     fs, path = filesystem(url)
     etag, size = stat(fs, path, url)

@@ -17,7 +17,7 @@ from loader import remote
 from precompile.cli import main
 from precompile.remote import promote, push
 
-from .test_remote import STORE, BUCKET, cache_state, downloads, s3, store_env  # noqa: F401  (fixtures)
+from .test_remote import STORE, cache_state, downloads, s3, store_env  # noqa: F401  (fixtures)
 
 pytest.importorskip("s3fs")
 
@@ -213,6 +213,8 @@ def test_max_bytes_refuses_a_larger_object_before_downloading(s3, classifier_pac
     assert str(caught.value) == f"{pushed.url}: the store's object is {size} bytes, more than max_bytes={size - 1}; refusing to download it"
     assert downloads == [] and cache_state(s3.root.parent) == ([], [])
     assert loader.load(pushed.url, max_bytes=size).manifest.version == pushed.version
+    with pytest.raises(loader.LoaderError, match=r"^max_bytes='1 GB': expected a positive number of bytes$"):
+        loader.load(pushed.url, max_bytes="1 GB")
 
 
 def test_an_object_larger_than_its_index_records_is_not_downloaded(s3, classifier_pack, downloads):
