@@ -8,6 +8,7 @@ workers hot swap goes through --watch, which every worker follows.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -16,6 +17,18 @@ import tempfile
 from .config import ServeConfig
 
 REEXEC_MARK = "PRECOMPILE_SERVE_ENV_SET"  # set in the re-executed server, so it never loops
+LOG_LEVEL_ENV = "PRECOMPILE_SERVE_LOG_LEVEL"  # --log-level, for the workers' own loggers
+
+
+def log_to_stderr(level: str) -> None:
+    """The service's own log lines (loads, swaps, refusals, tracebacks) on stderr beside uvicorn's,
+    at ``level`` (--log-level): uvicorn configures its own loggers only."""
+    logger = logging.getLogger("precompile")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def serving_env(workers: int, environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -64,6 +77,7 @@ def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, worke
         reexec_with(env)  # no return when it re-executes: the server then starts with the settings in effect
         from .app import create_app
 
+        log_to_stderr(log_level)
         uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, http=HTTP_PROTOCOL)
         return
     # Counters from every worker are summed through files in this folder (prometheus_client's
@@ -71,6 +85,7 @@ def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, worke
     metrics_dir = tempfile.mkdtemp(prefix="precompile-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     os.environ.update(config.to_env())
+    os.environ[LOG_LEVEL_ENV] = log_level
     # Workers are fresh interpreters: the OpenMP settings take effect there (one thread pool per
     # worker, sized to its share of the CPUs: more threads than cores slow every call down).
     os.environ.update(env)
