@@ -8,12 +8,14 @@
     POST /v1/reload    {"path": ...}: swap to another version (--allow-reload; see reload.py)
     /v2/...            the Open Inference Protocol (KServe v2; see oip.py)
 
-Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py). The artifact is loaded and warmed up on a background thread at start-up, so /healthz answers at once
-and /readyz turns 200 when the first request would meet warm code. Requests are decoded on the
-server's thread pool; each call runs there through ``Live.call_detailed``, or with ``--batch`` is
-queued in a ``loader.Batcher`` that runs concurrent calls as one batch (the request awaits it, so a
-client that goes away drops its call). Either way its outputs, variant and reported version belong
-together, even while a swap happens.
+Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py), and answers whatever
+its work raises through one exception policy (errors.py, ``Service.answer``). The artifact is loaded
+and warmed up on a background thread at start-up, so /healthz answers at once and /readyz turns 200
+when the first request would meet warm code. Requests are decoded on the server's thread pool; each
+call runs there through ``Live.call_detailed``, or with ``--batch`` is queued in a ``loader.Batcher``
+that runs concurrent calls as one batch (while it waits, a client that hangs up cancels it: the
+batcher drops it). Either way its outputs, variant and reported version belong together, even while
+a swap happens.
 """
 
 from __future__ import annotations
@@ -129,7 +131,9 @@ class Service:
         if path == "/predict" or (path.startswith("/v2/models/") and path.endswith("/infer")):
             self.count_refused(status, refused.reason)
         if refused.code is not Code.INTERNAL:  # a server fault was logged with its traceback already
-            log.info("%s %s: %d %s: %.200s", scope.get("method"), path, status, refused.reason or refused.code.value, refused)
+            level = logging.WARNING if refused.code is Code.UNAVAILABLE else logging.INFO
+            what = " ".join(str(refused).split())[:200]  # one line, whatever the message holds
+            log.log(level, "%s %s: %d %s: %s", scope.get("method"), path, status, refused.reason or refused.code.value, what)
         return JSONResponse(protocol.body(refused), status_code=status)
 
     # --- predict -------------------------------------------------------------------------------
@@ -300,8 +304,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for code, text in {
         403: "refused by the server's configuration",
         413: "the body is larger than --max-body-bytes",
-        422: "a malformed request, or inputs the model refuses (detail and reason say why)",
-        500: "an internal failure; the server serves on",
+        422: "a malformed request, inputs the model refuses, or outputs JSON cannot carry (detail and reason say why)",
+        500: "an internal failure (a bug, logged with its traceback); the server serves on",
         503: "no artifact loaded yet, or the batch queue is full (--batch)",
     }.items()
 }

@@ -10,8 +10,11 @@
 The binary tensor data extension is supported both ways: a request whose JSON header is followed by
 raw little-endian tensors (``Inference-Header-Content-Length``, ``binary_data_size`` per input), and
 outputs in binary when asked (``binary_data`` per requested output, or ``binary_data_output`` for
-all). Errors are ``{"error": "..."}``: 400 for a bad request or inputs the guards refuse (with the
-guard's message), 404 for an unknown model, 503 while nothing is loaded or the batch queue is full.
+all). Errors are ``{"error": "..."}``, statuses from the server's exception policy (errors.py):
+400 for a bad request (any field of the wrong JSON type, ``parameters`` included), inputs the codec
+or the guards refuse (NaN or infinity, binary or not, as /predict refuses them), or outputs JSON
+cannot carry; 404 for an unknown model, 413 over the body limit, 503 while nothing is loaded or the
+batch queue is full.
 
 Output names: ``output`` for a single tensor; otherwise the path in forward()'s result, dict keys by
 name and sequence items by index (``output.0``, ``output.1``; ``logits``, ``extra.0``).
