@@ -38,12 +38,11 @@ from loader import Batcher, Live, LoaderError, TrafficRecorder
 from loader.live import Serving, SwapAttempt, read_served_manifest
 
 from .codec import MIN_BODY_BYTES, body_limit, dumps, parse_body, request_schema, to_json, to_tensors
-from .config import ServeConfig
+from .config import LOG_LEVEL_ENV, ServeConfig
 from .errors import API, OIP, ClientGone, Code, Refused, internal, refusal
 from .limits import BodyLimit
 from .metrics import Metrics, shape_bucket
 from .oip import mount_oip
-from .server import LOG_LEVEL_ENV, log_to_stderr
 from .reload import ReloadRefused, ReloadRequest, parse_reload_request, reload_target
 
 log = logging.getLogger("precompile.serve")
@@ -291,6 +290,17 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def log_to_stderr(level: str) -> None:
+    """The service's own log lines (loads, swaps, refusals, tracebacks) on stderr beside uvicorn's,
+    at ``level`` (--log-level): uvicorn configures its own loggers only."""
+    logger = logging.getLogger("precompile")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def app_from_env() -> FastAPI:

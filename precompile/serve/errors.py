@@ -33,6 +33,7 @@ from loader import BatcherFull, GuardError, LoaderError
 
 from .codec import BodyError
 from .metrics import guard_reason
+from .reload import ReloadRefused
 
 
 class Code(enum.Enum):
@@ -107,6 +108,8 @@ def refusal(e: Exception) -> Refused | None:
         return Refused(Code.INVALID_ARGUMENT, str(e), guard_reason(e))
     if isinstance(e, BodyError):
         return Refused(Code.INVALID_ARGUMENT, str(e), "invalid_body")
+    if isinstance(e, ReloadRefused):
+        return Refused(Code.PERMISSION_DENIED, str(e))
     if isinstance(e, BatcherFull):
         return Refused(Code.UNAVAILABLE, str(e), "queue_full")
     if isinstance(e, LoaderError):  # nothing loaded yet, or the batcher closing with the server

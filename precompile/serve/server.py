@@ -8,27 +8,14 @@ workers hot swap goes through --watch, which every worker follows.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import sys
 import tempfile
 
-from .config import ServeConfig
+from .config import LOG_LEVEL_ENV, ServeConfig
 
 REEXEC_MARK = "PRECOMPILE_SERVE_ENV_SET"  # set in the re-executed server, so it never loops
-LOG_LEVEL_ENV = "PRECOMPILE_SERVE_LOG_LEVEL"  # --log-level, for the workers' own loggers
-
-
-def log_to_stderr(level: str) -> None:
-    """The service's own log lines (loads, swaps, refusals, tracebacks) on stderr beside uvicorn's,
-    at ``level`` (--log-level): uvicorn configures its own loggers only."""
-    logger = logging.getLogger("precompile")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(level.upper())
 
 
 def serving_env(workers: int, environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -75,7 +62,7 @@ def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, worke
     env = serving_env(workers)
     if workers == 1:
         reexec_with(env)  # no return when it re-executes: the server then starts with the settings in effect
-        from .app import create_app
+        from .app import create_app, log_to_stderr
 
         log_to_stderr(log_level)
         uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, http=HTTP_PROTOCOL)
