@@ -65,10 +65,14 @@ def parse_signatures(method: str, doc: str | None) -> list[Signature]:
 
 
 def _split_top_level(text: str) -> list[str]:
-    """Split on the commas outside brackets: 'a: dict[str, int], b: bool' -> two parts."""
-    parts, depth, start = [], 0, 0
+    """Split on the commas outside brackets and quotes: 'a: dict[str, int], b: bool' -> two parts."""
+    parts, depth, start, quote = [], 0, 0, ""
     for i, ch in enumerate(text):
-        if ch in "[(":
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[(":
             depth += 1
         elif ch in "])":
             depth -= 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ class Finished:
     returncode: int | None  # None: killed on time-out
     timed_out: bool
     seconds: float
-    output: str = ""  # its stdout and stderr, when captured (the tail of the log otherwise)
+    output: str = ""  # the end of its stdout and stderr
 
     @property
     def ok(self) -> bool:
@@ -36,34 +37,49 @@ class Finished:
 
 
 class Child:
-    """One child in its own process group; ``log`` receives its stdout and stderr (else they are captured)."""
+    """One child in its own process group; its stdout and stderr go to ``log`` (a temporary file when
+    none is given, so that a grandchild holding the output open cannot keep a wait from ending)."""
 
     def __init__(self, cmd: list[str], *, log: Path | None = None, env: dict | None = None, cwd: str | Path | None = None):
         self.cmd = cmd
-        self.log = log
         self.start = time.monotonic()
-        self._log_file = open(log, "w") if log is not None else None
-        out = self._log_file if self._log_file is not None else subprocess.PIPE
-        self.proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True, text=True,
-            stdin=subprocess.DEVNULL,
-        )
+        self._own_log = log is None
+        if log is None:
+            fd, name = tempfile.mkstemp(prefix="bounded-", suffix=".log")
+            os.close(fd)
+            log = Path(name)
+        self.log = log
+        self._log_file = open(log, "w")
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                start_new_session=True,
+            )
+        except OSError:
+            self._close()
+            raise
 
     def wait(self, timeout_s: float) -> Finished:
-        """Wait at most ``timeout_s`` seconds; on time-out kill the child's whole group."""
+        """Wait at most ``timeout_s`` seconds for the child to exit; on time-out kill its whole group.
+        Either way, whatever it left running in its group is killed too."""
         timed_out = False
         try:
-            stdout, _ = self.proc.communicate(timeout=max(0.0, timeout_s))
+            self.proc.wait(timeout=max(0.0, timeout_s))
         except subprocess.TimeoutExpired:
             timed_out = True
             self.kill()
-            stdout, _ = self.proc.communicate()
+            self.proc.wait()
         else:
-            kill_group(self.proc.pid, grace_s=0.0)  # whatever it left running in its group
-        if self._log_file is not None:
-            self._log_file.close()
-            stdout = _tail(self.log)
-        return Finished(None if timed_out else self.proc.returncode, timed_out, time.monotonic() - self.start, stdout or "")
+            kill_group(self.proc.pid, grace_s=0.0)
+        output = self._close()
+        return Finished(None if timed_out else self.proc.returncode, timed_out, time.monotonic() - self.start, output)
+
+    def _close(self) -> str:
+        self._log_file.close()
+        output = _tail(self.log)
+        if self._own_log:
+            self.log.unlink(missing_ok=True)
+        return output
 
     def kill(self) -> None:
         kill_group(self.proc.pid, reap=self.proc.poll)
