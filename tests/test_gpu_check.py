@@ -7,11 +7,14 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from precompile.profile import load_profile
 
@@ -129,8 +132,6 @@ def test_cpus_are_split_into_disjoint_shares():
 
 
 def test_on_a_host_without_a_gpu_the_run_stops_with_its_facts_written(tmp_path, capsys):
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("a GPU host runs the real thing")
     assert gpu_check.main(["--out", str(tmp_path), "--deadline", "120"]) == 2
@@ -138,3 +139,23 @@ def test_on_a_host_without_a_gpu_the_run_stops_with_its_facts_written(tmp_path, 
     assert saved["facts"]["gpu_visible"] is False and saved["toolchain"]["problems"] is not None
     assert any(s.startswith("every GPU step: no CUDA GPU visible") for s in saved["skipped"])
     assert "no CUDA GPU visible" in capsys.readouterr().err
+
+
+def test_the_device_run_records_the_machine_before_anything_else(tmp_path):
+    (tmp_path / "wheels").mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "device-run"), "--out", str(out), "--deadline", "200", "--wheels", str(tmp_path / "wheels"),
+         "--site", str(tmp_path / "site")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    facts = json.loads((out / "device-facts.json").read_text())
+    assert facts["facts"]["bindings"]["load_constants"][0].startswith("load_constants(constants_map")
+    assert facts["facts"]["versions"]["torch"] and "cpus" in facts["facts"]
+    assert facts["install"] == {"wheels": [], "ok": None}
+    log = (out / "device-run.log").read_text()
+    assert "no wheels in" in log and "gpu-check --quick --deadline" in log
+    if not torch.cuda.is_available():
+        assert proc.returncode == 1 and "gpu-check: exit 2" in log
+        assert "every GPU step: no CUDA GPU visible" in (out / "gpu-check.md").read_text()
