@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL
+_live: set[Child] = set()  # children started and not yet waited for
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Child:
         except OSError:
             self._close()
             raise
+        _live.add(self)
 
     def wait(self, timeout_s: float) -> Finished:
         """Wait at most ``timeout_s`` seconds for the child to exit; on time-out kill its whole group.
@@ -71,6 +73,7 @@ class Child:
             self.proc.wait()
         else:
             kill_group(self.proc.pid, grace_s=0.0)
+        _live.discard(self)
         output = self._close()
         return Finished(None if timed_out else self.proc.returncode, timed_out, time.monotonic() - self.start, output)
 
@@ -119,6 +122,19 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def end_children_on_signal() -> None:
+    """On SIGTERM or SIGINT (the caller's own time-out), kill every live child's group, then exit: a
+    child in a session of its own would otherwise outlive this process."""
+
+    def handler(signum, frame):  # noqa: ARG001
+        for child in list(_live):
+            kill_group(child.proc.pid, grace_s=1.0, reap=child.proc.poll)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
 
 
 def run_bounded(cmd: list[str], timeout_s: float, *, env: dict | None = None, cwd: str | Path | None = None, log: Path | None = None) -> Finished:

@@ -159,3 +159,29 @@ def test_the_device_run_records_the_machine_before_anything_else(tmp_path):
     if not torch.cuda.is_available():
         assert proc.returncode == 1 and "gpu-check: exit 2" in log
         assert "every GPU step: no CUDA GPU visible" in (out / "gpu-check.md").read_text()
+
+
+PARENT = """
+import sys, time
+sys.path.insert(0, {scripts!r})
+import bounded
+bounded.end_children_on_signal()
+child = bounded.Child([sys.executable, "-c", {spawner!r}, "120"], log=__import__("pathlib").Path({log!r}))
+child.wait(300)
+"""
+
+
+def test_a_signal_to_the_runner_ends_its_children_groups_too(tmp_path):
+    """The device tool kills the runner at its time-out; children in sessions of their own must not
+    outlive it."""
+    import signal
+
+    log = tmp_path / "child.log"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(scripts=str(SCRIPTS), spawner=SPAWNER, log=str(log))])
+    end = time.monotonic() + 60
+    while not (log.exists() and log.read_text().strip()) and time.monotonic() < end:
+        time.sleep(0.05)
+    kids = [int(p) for p in log.read_text().split()]
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(30) == 128 + signal.SIGTERM
+    assert wait_gone(kids)
