@@ -63,15 +63,15 @@ def wait_gone(pids, within_s: float = 10.0) -> bool:
 
 def test_a_child_past_its_time_is_killed_with_its_grandchildren(tmp_path):
     log = tmp_path / "child.log"
-    start = time.monotonic()
     child = bounded.Child([sys.executable, "-c", SPAWNER, "120"], log=log)
     end = time.monotonic() + 60
     while not log.read_text().strip() and time.monotonic() < end:
         time.sleep(0.05)
     kids = [int(p) for p in log.read_text().split()]
+    start = time.monotonic()
     finished = child.wait(1.0)
     assert finished.timed_out and finished.returncode is None and not finished.ok
-    assert time.monotonic() - start < 60 + 1.0 + bounded.GRACE_S + 5
+    assert time.monotonic() - start < 1.0 + bounded.GRACE_S + 5
     assert gone(child.proc.pid) and wait_gone(kids)
 
 
