@@ -186,3 +186,39 @@ def test_a_signal_to_the_runner_ends_its_children_groups_too(tmp_path):
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(30) == 128 + signal.SIGTERM
     assert wait_gone(kids)
+
+
+def cpu_profile(folder, dtype, quick):  # noqa: ARG001
+    """Stands in for derived_profile on this host: the tiny CPU model (no GPU here to build for)."""
+    from .conftest import STRUCTURED_PROFILE, write_profile
+
+    return write_profile(folder, STRUCTURED_PROFILE.replace("max: 32", "max: 4") + "check: {random_shapes: 1}\n")
+
+
+def test_both_builds_run_at_once_on_their_own_cpus_and_each_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "derived_profile", cpu_profile)
+    run = gpu_check.Run(tmp_path / "out", deadline_s=900)
+    (tmp_path / "out").mkdir()
+    built = gpu_check.build_all(run, tmp_path / "work", quick=True, jobs=1)
+    assert sorted(built) == sorted(gpu_check.DTYPES)
+    saved = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    shares = [saved["build"][d]["cpus"] for d in gpu_check.DTYPES]
+    assert all(saved["build"][d]["exit"] == 0 and saved["build"][d]["compile_threads"] >= 1 for d in gpu_check.DTYPES)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not set(shares[0]) & set(shares[1])
+    assert sorted(s["step"] for s in saved["steps"]) == sorted(f"build {d}" for d in gpu_check.DTYPES)
+    assert (Path(built["float32"]["artifact"]) / "manifest.json").exists()
+    assert (tmp_path / "out" / "build-bfloat16.log").read_text()
+
+
+def test_builds_past_the_deadline_are_killed_and_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "derived_profile", cpu_profile)
+    (tmp_path / "out").mkdir()
+    run = gpu_check.Run(tmp_path / "out", deadline_s=900)
+    start = time.monotonic()
+    assert gpu_check.build_all(run, tmp_path / "work", quick=True, jobs=1, cap_s=2.0) == {}
+    assert time.monotonic() - start < 2.0 + 2 * bounded.GRACE_S + 10
+    saved = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert all(saved["build"][d]["timed_out"] for d in gpu_check.DTYPES)
+    assert {f["step"] for f in saved["failures"]} == {f"build {d}" for d in gpu_check.DTYPES}
+    assert saved["build"]["kernel_log"]  # dmesg's end, or why it could not be read
