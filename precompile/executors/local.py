@@ -51,7 +51,7 @@ class LocalExecutor:
         from ..build import _compile_in_worker, _compile_one, default_jobs, worker_died
 
         jobs = default_jobs(job.units) if job.jobs is None else max(1, min(job.jobs, job.units))
-        threads = compile_threads(jobs)  # Inductor's own compile workers, per worker process
+        threads = compile_threads(jobs)  # per worker process; a bad PRECOMPILE_COMPILE_THREADS fails any build
         if jobs == 1 and not job.tuning:
             for task in tasks:
                 try:
