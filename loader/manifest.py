@@ -26,6 +26,7 @@ MAX_INT = 2**53  # anything larger is not a real size and would not survive JSON
 Shape = tuple[Union[str, int], ...]
 POLICIES = ("error", "pad", "split")
 CAPABILITY_RE = re.compile(r"^\d{1,3}\.\d{1,3}$")
+CODE_OBJECT_RE = re.compile(r"^(sm|compute)_\d{2,4}[af]?$")  # a kernel target: sm_90a (SASS), compute_80 (PTX)
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,9 @@ class CudaInfo:
     multi_arch: bool  # PTX emitted too: newer GPUs can JIT it
     cuda_graphs: bool  # capture a graph per static variant at warm-up
     device_name: str = ""
+    # The code objects the packages' kernels hold, as read at build time: "sm_90a" (SASS), "compute_90a"
+    # (PTX). Empty: not recorded (older builds); loader.cuda derives them from capability and multi_arch.
+    kernels: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +155,7 @@ class CudaInfo:
             "multi_arch": self.multi_arch,
             "cuda_graphs": self.cuda_graphs,
             "device_name": self.device_name,
+            **({"kernels": list(self.kernels)} if self.kernels else {}),
         }
 
 
@@ -470,7 +475,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
 
     cuda = None
     if raw.get("cuda") is not None:
-        cu = r.obj(raw["cuda"], "cuda", {"torch_cuda", "capability", "archs", "multi_arch", "cuda_graphs", "device_name"})
+        cu = r.obj(raw["cuda"], "cuda", {"torch_cuda", "capability", "archs", "multi_arch", "cuda_graphs", "device_name", "kernels"}, optional={"kernels"})
         cuda = CudaInfo(
             torch_cuda=r.str(cu["torch_cuda"], "cuda.torch_cuda"),
             capability=r.str(cu["capability"], "cuda.capability", CAPABILITY_RE),
@@ -478,6 +483,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
             multi_arch=r.bool(cu["multi_arch"], "cuda.multi_arch"),
             cuda_graphs=r.bool(cu["cuda_graphs"], "cuda.cuda_graphs"),
             device_name=r.str(cu["device_name"], "cuda.device_name"),
+            kernels=tuple(r.str(k, f"cuda.kernels[{i}]", CODE_OBJECT_RE) for i, k in enumerate(r.list(cu.get("kernels", []), "cuda.kernels", 64))),
         )
     if cuda is None and any(v.device == "cuda" for v in variants):
         raise r.fail("cuda", "the artifact has CUDA variants but no cuda section")

@@ -16,12 +16,12 @@ from typing import Any, Iterable
 
 import torch
 
-from . import constants as C
+from .aoti import load_constants, open_package
 from .errors import ArtifactError, GuardError, IncompatibleArtifactError
 from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts
 from .manifest import Manifest, OutputSpec, Variant
-from .cuda import GraphedRunner, parse_device
+from .cuda import CudaRunner, GraphedRunner, parse_device
 from .policy import Policies
 from .precision import REQUESTS, Choice, choose
 from .source import open_artifact
@@ -31,18 +31,6 @@ from .weights import MappedWeights
 
 # Distinct shapes remembered by stats(); beyond this, calls are counted in shapes_not_tracked.
 MAX_SHAPES_TRACKED = 10_000
-
-
-def open_package(path: str, *, single_threaded: bool = False, device_index: int | None = None) -> Any:
-    """Open one AOTInductor package without importing torch._inductor.
-
-    ``torch._C._aoti.AOTIModelPackageLoader`` is what ``torch._inductor.aoti_load_package`` wraps; it is
-    private, so this is the only place that names it. Arguments: package path, model name inside the
-    package, run single-threaded (needed for CUDA graph capture), number of runners, device index
-    (-1: the default one).
-    """
-    index = -1 if device_index is None else device_index
-    return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, 1, index)
 
 
 class CompiledModel:
@@ -236,11 +224,12 @@ class CompiledModel:
         for v in self._variants:
             args = self.example_inputs(v)
             self.run_variant(v.id, *args)
-            if graphs and v.kind == "static" and not isinstance(self._runners[v.id], GraphedRunner):
-                runner = self._runners[v.id]
-                cast = runner.dtype if isinstance(runner, _Cast) else None
+            runner = self._runners[v.id]
+            cast = runner.dtype if isinstance(runner, _Cast) else None
+            inner = runner.runner if cast is not None else runner
+            if graphs and v.kind == "static" and not isinstance(inner, GraphedRunner):
                 example = [a.to(cast) if cast is not None and a.is_floating_point() else a for a in args]
-                graphed = GraphedRunner(runner.runner if cast is not None else runner, example)
+                graphed = GraphedRunner(inner, example)
                 self._runners[v.id] = _Cast(graphed, cast) if cast is not None else graphed
         if graphs:
             self._index_tables()
@@ -401,10 +390,13 @@ def _open_runners(
         if v.device != kind or not precision.serves(v):
             continue
         try:
-            runner = open_package(str(root / v.file), single_threaded=graphs and v.kind == "static", device_index=index)
+            single = graphs and v.kind == "static"
+            runner = open_package(str(root / v.file), single_threaded=single, device_index=index)
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
             raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {_first_line(e)}") from None
+        if kind == "cuda":
+            runner = CudaRunner(runner, index, single_threaded=single)
         if v.embedded_constants:  # the package holds its own (hashed with it); nothing to hand over
             runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
             continue
@@ -419,10 +411,8 @@ def _open_runners(
             if kind == "cuda" and stored not in on_device:
                 on_device[stored] = weights.tensors[stored].to(f"cuda:{index}")
             constants[name] = on_device[stored] if kind == "cuda" else weights.tensors[stored]
-        # user_managed: the runner uses these tensors in place (no copy); check_full_update: every
-        # constant must be given, since a missing one would be read as null by the compiled code.
-        try:
-            runner.load_constants(constants, False, True, True)
+        try:  # in place where this torch's binding allows it (loader.aoti)
+            load_constants(runner.runner if kind == "cuda" else runner, constants)
         except RuntimeError as e:
             raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {_first_line(e)}") from None
         runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner

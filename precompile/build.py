@@ -31,6 +31,7 @@ from . import __version__
 from .batching import check_batching
 from .check import CheckReport, check_policies, check_policy_outputs, compare, flatten, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
+from .cuda_targets import with_kernel_targets
 from .errors import CompileError, ModelError, PrecompileError, ProfileError
 from .executors import CompileJob, Executor
 from .executors.local import LocalExecutor
@@ -206,6 +207,7 @@ def finish(
             packages, gates = gate_precisions(loaded, model, packages, read_distribution(loaded))
         for g in gates:
             progress.note(g.describe() if g.kept else f"[yellow]{g.describe()}[/]")
+    cuda = with_kernel_targets(cuda, [pkg.path for vp, pkg in packages if vp.device == "cuda"])
     with progress.stage("write", str(target)):
         manifest = _assemble(loaded, staging, packages, out_spec, output_dims, cuda, gates)
     with progress.stage("check", "compiled vs eager, every variant"):
