@@ -2,15 +2,15 @@
 and CUDA graphs for static variants.
 
 The compatibility decision is a pure function of the manifest and a few recorded device facts, so it
-is tested without a GPU; ``host_facts()`` reads the facts of this host.
+is tested without a GPU; ``host_facts()`` reads the facts of this host. torch is imported by what
+uses it, so the compatibility check runs without it (the torch-free loader serves CPU variants only).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from .errors import IncompatibleArtifactError
 from .manifest import CudaInfo
@@ -26,6 +26,8 @@ class CudaFacts:
 
 
 def host_facts() -> CudaFacts:
+    import torch
+
     if torch.version.cuda is None or not torch.cuda.is_available():
         return CudaFacts(torch.version.cuda)
     count = torch.cuda.device_count()
@@ -96,7 +98,9 @@ class GraphedRunner:
     would otherwise overwrite the buffers while an earlier replay still reads them).
     """
 
-    def __init__(self, runner, example: list[torch.Tensor], warmup: int = 3):
+    def __init__(self, runner, example: list[Any], warmup: int = 3):
+        import torch
+
         self.runner = runner
         self.inputs = [t.clone() for t in example]
         stream = torch.cuda.Stream(device=self.inputs[0].device if self.inputs else None)
@@ -111,7 +115,9 @@ class GraphedRunner:
         self._lock = threading.Lock()
         self._done = None  # event recorded after the last call's copy-out
 
-    def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, tensors: list[Any]) -> list[Any]:
+        import torch
+
         with self._lock:
             on_gpu = self.outputs[0].is_cuda if self.outputs else False
             if on_gpu and self._done is not None:
