@@ -99,9 +99,7 @@ def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None) 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env["OMP_WAIT_POLICY"] = "PASSIVE"  # what precompile serve runs with, for every method alike
-    command = [sys.executable, "-m", "bench.coldstart_native", "--child", method, str(artifact), str(case), str(out)]
-    if onnx:
-        command += ["--onnx", onnx]
+    command = [sys.executable, "-m", "bench.coldstart_native", "--child", method, str(artifact), str(case), str(out), onnx or ""]
     began = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
@@ -117,17 +115,17 @@ def onnxruntime_available() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # METHOD ARTIFACT CASE OUT ONNX-or-empty: one cold start
+        child(*argv[1:5], argv[5] or None)
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dims", default="", help="dim sizes of the call, e.g. batch=4,seq=77")
     parser.add_argument("--onnx", help="the same model as ONNX (bench.onnx_export), for ONNX Runtime")
     parser.add_argument("-o", "--output", type=Path, help="write the figures as JSON here too")
-    parser.add_argument("--child", nargs=4, metavar=("METHOD", "ARTIFACT", "CASE", "OUT"), help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    if opts.child:
-        child(*opts.child, opts.onnx)
-        return
     import numpy as np
 
     dims = {k: int(v) for k, v in (item.split("=", 1) for item in opts.dims.split(",") if item)}

@@ -20,6 +20,7 @@ from .manifest import Manifest, OutputSpec, Variant
 from .policy import ArrayOps, Policies
 from .precision import Choice
 from .shapes import ShapeGuard
+from .weights import MappedWeights
 
 # Distinct shapes remembered by stats(); beyond this, calls are counted in shapes_not_tracked.
 MAX_SHAPES_TRACKED = 10_000
@@ -32,6 +33,7 @@ class ServedModel:
         self,
         root: Path,
         manifest: Manifest,
+        weights: MappedWeights,
         runners: dict[str, Any],
         guard: ShapeGuard,
         ops: ArrayOps,
@@ -40,6 +42,7 @@ class ServedModel:
         precision: Choice = Choice(("fp32",)),
     ):
         self.path = root
+        self._weights = weights  # the memory the runners' constants live in: kept as long as they are
         self.manifest = manifest
         # The digest of the manifest bytes as read (what a signature covers), not of a re-serialization.
         self.digest = digest
@@ -194,13 +197,23 @@ class ServedModel:
             self._shapes = {}
             self._shapes_dropped = 0
 
-    def hint_shapes(self, variant: Variant) -> list[tuple[list[int], float]]:
-        """Per input, the shape at ``variant``'s hint sizes and its smallest valid value (0 may be
-        outside an integer input's range): what warm-up and probes fill inputs with."""
+    def warmup(self) -> None:
+        """Run every variant once on its hint shape, so the first real request meets warm code.
+        Warm-up calls are not counted in ``stats()``."""
+        for v in self._variants:
+            self.run_variant(v.id, *self.example_inputs(v))
+
+    def example_inputs(self, variant: Variant) -> list:
+        """Valid inputs at ``variant``'s hint shape (for warm-up and probes), each filled with its
+        smallest valid value (0 may be outside an integer input's range)."""
         return [
-            ([variant.hint[s] if isinstance(s, str) else s for s in spec.shape], spec.range.min if spec.range is not None else 0)
+            self._full([variant.hint[s] if isinstance(s, str) else s for s in spec.shape], spec.range.min if spec.range is not None else 0, spec.dtype)
             for spec in self.manifest.inputs
         ]
+
+    def _full(self, shape: list[int], value: float, dtype: str) -> Any:
+        """An array of the model's kind (a torch tensor on its device, a numpy array), filled with ``value``."""
+        raise NotImplementedError
 
     def _outputs(self, outputs: list) -> Any:
         if self._single_tensor:

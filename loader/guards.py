@@ -15,7 +15,7 @@ import torch
 
 from .errors import GuardError
 from .manifest import DimRange, InputSpec
-from .shapes import ShapeGuard, value_outside
+from .shapes import ShapeGuard, not_plain, value_outside
 
 # What the compiled code can read: a plain tensor, or a Parameter (a plain tensor that requires grad,
 # what a caller passing a module's weights hands over). Every other subclass is refused: its data
@@ -102,13 +102,8 @@ class InputGuard(ShapeGuard):
 
 
 def _not_plain(name: str, t: Any) -> GuardError:
-    if isinstance(t, torch.Tensor):
-        return GuardError(
-            f"input {name!r}: a {type(t).__module__}.{type(t).__qualname__} (a torch.Tensor subclass); the compiled "
-            "code reads plain tensors only: pass a torch.Tensor (e.g. t.as_subclass(torch.Tensor) if its data is real)",
-            reason="tensor_subclass",
-        )
-    return GuardError(f"input {name!r}: expected a torch.Tensor, got {type(t).__name__}", reason="not_a_tensor")
+    fix = "pass a torch.Tensor (e.g. t.as_subclass(torch.Tensor) if its data is real)"
+    return not_plain(name, t, torch.Tensor, "torch.Tensor", "tensors", fix)
 
 
 def _not_memory(name: str, t: torch.Tensor) -> GuardError:

@@ -19,7 +19,7 @@ from .dispatch import ServedModel
 from .errors import ArtifactError, IncompatibleArtifactError
 from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts
-from .manifest import Manifest, Variant
+from .manifest import Manifest
 from .cuda import GraphedRunner, parse_device
 from .policy import ArrayOps
 from .precision import REQUESTS, Choice, choose
@@ -70,7 +70,6 @@ class CompiledModel(ServedModel):
     ):
         self.device_type, index = parse_device(device)
         self.device = "cpu" if index is None else f"cuda:{index}"
-        self._weights = weights  # keeps the memory map alive as long as the runners use it
         self._device_weights = device_weights  # constants copied to a GPU, used in place by the runners
         guard = InputGuard(
             manifest.inputs,
@@ -79,7 +78,7 @@ class CompiledModel(ServedModel):
             unchecked={d for d, p in manifest.policy.items() if p != "error"},
             copy_inputs=copy_inputs,
         )
-        super().__init__(root, manifest, runners, guard, TORCH_OPS, digest=digest, precision=precision)
+        super().__init__(root, manifest, weights, runners, guard, TORCH_OPS, digest=digest, precision=precision)
 
     def warmup(self) -> None:
         """Run every variant once on its hint shape, so the first real request meets warm code.
@@ -88,25 +87,22 @@ class CompiledModel(ServedModel):
         variant; later calls of that shape replay it. Warm-up calls are not counted in ``stats()``.
         """
         graphs = self.device_type == "cuda" and self.manifest.cuda is not None and self.manifest.cuda.cuda_graphs
+        if not graphs:
+            return super().warmup()
         for v in self._variants:
             args = self.example_inputs(v)
             self.run_variant(v.id, *args)
-            if graphs and v.kind == "static" and not isinstance(self._runners[v.id], GraphedRunner):
+            if v.kind == "static" and not isinstance(self._runners[v.id], GraphedRunner):
                 runner = self._runners[v.id]
                 cast = runner.dtype if isinstance(runner, _Cast) else None
                 example = [a.to(cast) if cast is not None and a.is_floating_point() else a for a in args]
                 graphed = GraphedRunner(runner.runner if cast is not None else runner, example)
                 self._runners[v.id] = _Cast(graphed, cast) if cast is not None else graphed
-        if graphs:
-            self._index_tables()
-            torch.cuda.synchronize(self.device)
+        self._index_tables()
+        torch.cuda.synchronize(self.device)
 
-    def example_inputs(self, variant: Variant) -> list[torch.Tensor]:
-        """Valid inputs at ``variant``'s hint shape, on the model's device (for warm-up and probes)."""
-        return [
-            torch.full(shape, value, dtype=TORCH_DTYPES[spec.dtype], device=self.device)
-            for spec, (shape, value) in zip(self.manifest.inputs, self.hint_shapes(variant))
-        ]
+    def _full(self, shape: list[int], value: float, dtype: str) -> torch.Tensor:
+        return torch.full(shape, value, dtype=TORCH_DTYPES[dtype], device=self.device)
 
     def __repr__(self) -> str:
         return f"<CompiledModel {self.name!r} from {str(self.path)!r}: {len(self._runners)} variant(s) on {self.device}>"

@@ -116,3 +116,15 @@ def value_outside(name: str, value: int, where: Sequence[int], values: DimRange)
         f"input {name!r}: value {value} at {list(where)} is outside the valid range {values}",
         reason="value_range",
     )
+
+
+def not_plain(name: str, value: Any, plain: type, what: str, things: str, fix: str) -> GuardError:
+    """The refusal for an input that is not a plain ``plain`` (``what`` names it, ``things`` its
+    plural): a subclass, with ``fix``, or something else altogether."""
+    if isinstance(value, plain):
+        return GuardError(
+            f"input {name!r}: a {type(value).__module__}.{type(value).__qualname__} (a {what} subclass); the compiled "
+            f"code reads plain {things} only: {fix}",
+            reason="tensor_subclass",
+        )
+    return GuardError(f"input {name!r}: expected a {what}, got {type(value).__name__}", reason="not_a_tensor")

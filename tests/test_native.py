@@ -83,8 +83,8 @@ sys.meta_path.insert(0, NoTorch())
 import numpy as np
 import loader
 
-artifact, out = sys.argv[1], sys.argv[2]
-model = loader.load_native(artifact, threads=1)
+artifact, out, threads = sys.argv[1], sys.argv[2], int(sys.argv[4])
+model = loader.load_native(artifact, threads=threads)
 model.warmup()
 results, variants = {}, {}
 for batch, seq in json.loads(sys.argv[3]):
@@ -105,8 +105,9 @@ print(json.dumps({
 def test_a_process_without_torch_serves_what_the_torch_loader_serves(tagger_build, tagger_torch, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     out = tmp_path / "outputs.npz"
+    threads = torch.get_num_threads()  # the same count as the torch loader here: it decides the sums' order
     proc = subprocess.run(
-        [sys.executable, "-c", NO_TORCH, str(tagger_build.path), str(out), json.dumps(TAGGER_CALLS)],
+        [sys.executable, "-c", NO_TORCH, str(tagger_build.path), str(out), json.dumps(TAGGER_CALLS), str(threads)],
         capture_output=True, text=True, cwd=ROOT, env=env,
     )
     assert proc.returncode == 0, proc.stderr
@@ -114,7 +115,7 @@ def test_a_process_without_torch_serves_what_the_torch_loader_serves(tagger_buil
     assert report["torch"] == []
     assert report["calls"] == len(TAGGER_CALLS)  # warm-up is not counted
     # OpenMP settings are read when libgomp loads: they were set before it did.
-    assert report["env"] == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    assert report["env"] == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(threads)}
     got = np.load(out)
     for batch, seq in TAGGER_CALLS:
         ids, mask = tagger_inputs(batch, seq, batch * 100 + seq)
@@ -122,6 +123,23 @@ def test_a_process_without_torch_serves_what_the_torch_loader_serves(tagger_buil
         assert report["variants"][f"{batch}x{seq}"] == variant
         assert np.array_equal(got[f"{batch}x{seq}/tags"], tags.numpy()), (batch, seq)
         assert np.array_equal(got[f"{batch}x{seq}/pooled"], pooled.numpy()), (batch, seq)
+
+
+DEFAULT_THREADS = {
+    "native": "import os, loader; loader.load_native(__import__('sys').argv[1]); print(os.environ['OMP_NUM_THREADS'])",
+    "torch": "import torch, loader; loader.load(__import__('sys').argv[1]); print(torch.get_num_threads())",
+}
+
+
+def test_the_default_thread_count_is_the_torch_loaders(classifier_artifact):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    counts = {
+        name: subprocess.run(
+            [sys.executable, "-c", code, str(classifier_artifact)], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+        ).stdout.split()[-1]
+        for name, code in DEFAULT_THREADS.items()
+    }
+    assert counts["native"] == counts["torch"]
 
 
 def test_import_loader_imports_neither_torch_nor_numpy():

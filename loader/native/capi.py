@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from ctypes import POINTER, byref, c_bool, c_char_p, c_int32, c_int64, c_size_t, c_void_p
 from pathlib import Path
 from typing import Sequence
@@ -175,6 +176,8 @@ class Container:
         handle = c_void_p()
         self._call("AOTInductorModelContainerCreateWithDevice", byref(handle), 1, b"cpu", None)
         self.handle = handle.value
+        # Deleted with this object (or by close()); the library itself stays mapped: ctypes never unloads one.
+        self._finalizer = weakref.finalize(self, f["AOTInductorModelContainerDelete"], self.handle)
         self.num_inputs = self._size("AOTInductorModelContainerGetNumInputs")
         self.num_outputs = self._size("AOTInductorModelContainerGetNumOutputs")
         self._lock = threading.Lock()  # guards close() against a run in flight
@@ -221,10 +224,10 @@ class Container:
         return results
 
     def close(self) -> None:
-        """Delete the container (its library stays mapped: ctypes never unloads one)."""
+        """Delete the container now (later runs raise CallFailed)."""
         with self._lock:
             if self.handle is not None:
-                self._call("AOTInductorModelContainerDelete", self.handle)
+                self._finalizer()
                 self.handle = None
 
     def _size(self, name: str) -> int:

@@ -131,18 +131,23 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
 
     Unless the process already runs an OpenMP runtime (torch imported, or an earlier load), the
     environment gets ``OMP_WAIT_POLICY=PASSIVE`` (unless set) and ``OMP_NUM_THREADS`` = ``threads``,
-    by default the count torch would use, cut to the CPUs this process gets. A ThreadingWarning
-    says what still hurts, as ``loader.load`` does.
+    by default the count torch would use, cut to the CPUs this process gets. A runtime already
+    running keeps the count its owner gave it, unless ``threads`` asks for another (for the calling
+    thread: OpenMP's setting is per thread). A ThreadingWarning says what still hurts, as
+    ``loader.load`` does.
     """
     global _runtime
     allowance = cpu_allowance()
-    count = threads if threads is not None else default_threads(allowance)
     with _runtime_lock:
         running = _openmp_library()
         if running is None:
+            count = threads if threads is not None else default_threads(allowance)
             os.environ.update(openmp_env(count))
         else:
-            ctypes.CDLL(running).omp_set_num_threads(count)  # for this thread: the others kept the first count
+            openmp = ctypes.CDLL(running)
+            if threads is not None:
+                openmp.omp_set_num_threads(threads)
+            count = openmp.omp_get_max_threads()
         if _runtime is None:
             try:
                 deps = torch.lib / GLOBAL_DEPS

@@ -49,22 +49,11 @@ class NativeModel(ServedModel):
         digest: str | None = None,
         precision: Choice = Choice(("fp32",)),
     ):
-        self._weights = weights  # the memory the runners' constants point into: lives as long as they do
         guard = ArrayGuard(manifest.inputs, manifest.dims, unchecked={d for d, p in manifest.policy.items() if p != "error"})
-        super().__init__(root, manifest, runners, guard, NUMPY_OPS, digest=digest, precision=precision)
+        super().__init__(root, manifest, weights, runners, guard, NUMPY_OPS, digest=digest, precision=precision)
 
-    def warmup(self) -> None:
-        """Run every variant once on its hint shape, so the first real request meets warm code.
-        Warm-up calls are not counted in ``stats()``."""
-        for v in self._variants:
-            self.run_variant(v.id, *self.example_inputs(v))
-
-    def example_inputs(self, variant: Variant) -> list[np.ndarray]:
-        """Valid inputs at ``variant``'s hint shape (for warm-up and probes)."""
-        return [
-            np.full(shape, value, dtype=NUMPY_DTYPES[spec.dtype])
-            for spec, (shape, value) in zip(self.manifest.inputs, self.hint_shapes(variant))
-        ]
+    def _full(self, shape: list[int], value: float, dtype: str) -> np.ndarray:
+        return np.full(shape, value, dtype=NUMPY_DTYPES[dtype])
 
     def close(self) -> None:
         """Free every variant's compiled model now (calls after this raise); the weights' memory is

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import GuardError
 from ..manifest import DimRange, InputSpec
 from ..policy import ArrayOps
-from ..shapes import ShapeGuard, value_outside
+from ..shapes import ShapeGuard, not_plain, value_outside
 from .capi import NUMPY_DTYPES
 
 # Subclasses that are plain memory. Others (numpy.ma.MaskedArray, numpy.matrix, ...) carry meaning
@@ -61,13 +61,7 @@ class ArrayGuard(ShapeGuard):
 
 
 def _not_plain(name: str, a: Any) -> GuardError:
-    if isinstance(a, np.ndarray):
-        return GuardError(
-            f"input {name!r}: a {type(a).__module__}.{type(a).__qualname__} (a numpy.ndarray subclass); the compiled "
-            "code reads plain arrays only: pass np.asarray(a) if its data is what to compute on",
-            reason="tensor_subclass",
-        )
-    return GuardError(f"input {name!r}: expected a numpy.ndarray, got {type(a).__name__}", reason="not_a_tensor")
+    return not_plain(name, a, np.ndarray, "numpy.ndarray", "arrays", "pass np.asarray(a) if its data is what to compute on")
 
 
 def _dt(dtype: np.dtype) -> str:
