@@ -42,8 +42,13 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'loader' has no attribute {name!r}")
+    if module is None:  # a submodule not imported yet (`loader.model.open_package`), as before
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'loader' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

@@ -402,3 +402,12 @@ def test_needs_torch_round_trips_through_the_manifest(classifier_artifact):
     assert "needs_torch" not in v.to_dict()
     again = parse_manifest(json.dumps({**manifest.to_dict(), "variants": [marked.to_dict()]}))
     assert again.variants[0].needs_torch == "it runs ops that have no C shim"
+
+
+def test_a_closed_model_refuses_calls(structured_artifact):
+    model = loader.load_native(structured_artifact)
+    x = np.zeros((1, 8), np.float32)
+    model(x)
+    model.close()
+    with pytest.raises(RuntimeError, match="the model was closed"):
+        model(x)

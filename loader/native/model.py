@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -128,16 +129,29 @@ def load_native(
         _refuse_inputs(manifest, str(root))
         weights = opened.weights()
         weights.check(manifest.constants)
-        choice = choose([v for v in manifest.variants if v.device == "cpu"], precision, host_facts(torch).cpu_features, str(root))
-        served = [v for v in manifest.variants if v.device == "cpu" and choice.serves(v)]
-        for v in served:
-            if v.needs_torch is not None:
-                raise _needs_torch(root, v, v.needs_torch)
+        choice, served = _choose(root, manifest, precision, host_facts(torch).cpu_features)
         shim = start_runtime(torch, threads)
         runners = _open_runners(shim, root, manifest, served, weights)
         model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice)
         opened.loaded()
     return model
+
+
+def _choose(root: Path, manifest: Manifest, precision: str, features: frozenset[str]) -> tuple[Choice, list[Variant]]:
+    """The precisions and CPU variants to serve, as ``loader.load`` chooses them, except that a lower
+    precision whose variants need torch is skipped under ``precision="auto"`` (fp32 serves instead)."""
+    cpu = [v for v in manifest.variants if v.device == "cpu"]
+    # What the build recorded or, for an artifact built before it did, what the package shows.
+    why = {v.id: v.needs_torch or read_package(root / v.file).problem() for v in cpu}
+    blocked = {v.precision: why[v.id] for v in cpu if why[v.id] and v.precision != "fp32"} if precision == "auto" else {}
+    choice = choose([v for v in cpu if v.precision not in blocked], precision, features, str(root))
+    if blocked:
+        choice = replace(choice, skipped={**choice.skipped, **{p: f"needs torch: {w}" for p, w in blocked.items()}})
+    served = [v for v in cpu if choice.serves(v)]
+    for v in served:
+        if why[v.id]:
+            raise _needs_torch(root, v, why[v.id])
+    return choice, served
 
 
 def _refuse_inputs(manifest: Manifest, source: str) -> None:
