@@ -21,7 +21,8 @@ from loader import ArtifactError, GuardError, IncompatibleArtifactError, Untrust
 from loader.host import ISA_FEATURES
 from loader.host import host_facts as torch_host_facts
 from loader.manifest import Variant, parse_manifest
-from loader.native.libs import find_torch, host_facts
+from loader.native.libs import feature_name, cpu_capability, cpu_features, find_torch, host_facts
+from loader.threads import CpuAllowance, default_threads, openmp_env
 from precompile.build import build
 
 from .conftest import write_profile
@@ -302,6 +303,31 @@ def test_an_artifact_for_another_cpu_or_torch_is_refused(classifier_artifact, tm
         loader.load_native(path)
     text = str(e.value)
     assert "torch: built with 2.99.0, this host has 2.13" in text and "needs amx_bf16, amx_int8, amx_tile" in text
+
+
+AVX2_HOST = """processor\t: 0
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse sse2 pni ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi1 abm sha_ni
+"""
+
+
+def test_cpu_features_are_read_from_the_kernel_under_torchs_names(tmp_path):
+    (tmp_path / "cpuinfo").write_text(AVX2_HOST)
+    features = cpu_features(tmp_path / "cpuinfo")
+    assert {"avx2", "fma3", "f16c", "sse3", "bmi", "lzcnt", "sha"} <= features and "avx512_f" not in features
+    assert cpu_capability(features, environ={}) == "AVX2"
+    assert cpu_capability(features, environ={"ATEN_CPU_CAPABILITY": "default"}) == "DEFAULT"  # lowered, as torch does
+    assert cpu_capability(features, environ={"ATEN_CPU_CAPABILITY": "avx512"}) == "AVX2"  # never raised
+    assert feature_name("avx512f") == "avx512_f" and feature_name("avx512_vnni") == "avx512_vnni"
+
+
+def test_openmp_settings_leave_the_users_own_alone():
+    assert openmp_env(2, environ={}) == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"}
+    assert openmp_env(2, environ={"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_NUM_THREADS": "2"}
+    assert openmp_env(None, environ={"OMP_NUM_THREADS": "3"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    # torch's own default (OMP_NUM_THREADS, else physical cores), cut to the CPUs the process gets
+    assert default_threads(CpuAllowance(host=8, affinity=2, quota=None), environ={"OMP_NUM_THREADS": "6"}) == 2
+    assert default_threads(CpuAllowance(host=8, affinity=8, quota=None), environ={"OMP_NUM_THREADS": "3"}) == 3
 
 
 def test_host_facts_without_torch_agree_with_torchs():

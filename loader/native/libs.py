@@ -94,11 +94,12 @@ def cpu_features(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> frozenset[str]
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
-            return frozenset(_torch_name(flag) for flag in value.split())
+            return frozenset(feature_name(flag) for flag in value.split())
     return frozenset()
 
 
-def _torch_name(flag: str) -> str:
+def feature_name(flag: str) -> str:
+    """A /proc/cpuinfo flag under the name torch.cpu.get_capabilities() gives it."""
     if flag in CPUINFO_NAMES:
         return CPUINFO_NAMES[flag]
     if flag.startswith("avx512") and not flag.startswith("avx512_"):
