@@ -2,7 +2,8 @@
 and CUDA graphs for static variants.
 
 The compatibility decision is a pure function of the manifest and a few recorded device facts, so it
-is tested without a GPU; ``host_facts()`` reads the facts of this host.
+is tested without a GPU; ``host_facts()`` reads the facts of this host. torch is imported by what
+uses it, so the compatibility check runs without it (the torch-free loader serves CPU variants only).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import contextlib
 import re
 import threading
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import IncompatibleArtifactError
 from .manifest import CudaInfo
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class CudaFacts:
 
 
 def host_facts() -> CudaFacts:
+    import torch
+
     if torch.version.cuda is None or not torch.cuda.is_available():
         return CudaFacts(torch.version.cuda)
     count = torch.cuda.device_count()
@@ -146,6 +151,8 @@ def cuda_problems(cuda: CudaInfo | None, index: int, facts: CudaFacts) -> list[s
 
 def device_guard(device: torch.device):
     """Make ``device`` the current GPU, so that launches go to its current stream (no-op for the CPU)."""
+    import torch
+
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -161,6 +168,8 @@ class CudaRunner:
     def __init__(self, runner, index: int, *, single_threaded: bool = False):
         self.runner = runner
         self.index = index
+        import torch
+
         self.device = torch.device("cuda", index)
         self.single_threaded = single_threaded
         self._turn = threading.Lock() if single_threaded else contextlib.nullcontext()
@@ -189,6 +198,8 @@ class GraphedRunner:
     """
 
     def __init__(self, runner: CudaRunner, example: list[torch.Tensor], warmup: int = 3):
+        import torch
+
         self.runner = runner
         self.device = runner.device
         with device_guard(self.device):
@@ -207,6 +218,8 @@ class GraphedRunner:
         self._done = None  # event recorded after the last call's copy-out
 
     def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        import torch
+
         on_gpu = self.device.type == "cuda"
         with self._lock, device_guard(self.device):
             stream = torch.cuda.current_stream(self.device) if on_gpu else None

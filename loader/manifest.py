@@ -111,6 +111,10 @@ class Variant:
     precision: str = "fp32"
     cpu_features: tuple[str, ...] = ()
     gate: dict[str, Any] | None = None
+    # A CPU variant's reason why only the torch loader can run it (ops without a C shim need torch's
+    # proxy executor, ...), found by the build; None: the torch-free loader can, or an older build did
+    # not look (that loader looks again when it opens the package).
+    needs_torch: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -130,6 +134,8 @@ class Variant:
             out["precision"] = self.precision
             out["cpu_features"] = list(self.cpu_features)
             out["gate"] = self.gate
+        if self.needs_torch is not None:  # only when set: artifacts without such variants stay readable by older loaders
+            out["needs_torch"] = self.needs_torch
         return out
 
 
@@ -389,8 +395,8 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         v = r.obj(
             item,
             where,
-            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants", *PRECISION_KEYS},
-            optional={"device", "dtype", "constant_prefix", "embedded_constants", *PRECISION_KEYS},
+            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants", "needs_torch", *PRECISION_KEYS},
+            optional={"device", "dtype", "constant_prefix", "embedded_constants", "needs_torch", *PRECISION_KEYS},
         )
         vid = r.str(v["id"], f"{where}.id", VARIANT_ID_RE)
         kind = r.str(v["kind"], f"{where}.kind", choices=C.VARIANT_KINDS)
@@ -423,7 +429,8 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
             if prefix + c not in constants:
                 raise r.fail(f"{where}.constants", f"{prefix + c!r} is not declared in constants")
         precision, features, gate = _parse_precision(r, v, where, device)
-        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded, precision, features, gate))
+        needs_torch = None if v.get("needs_torch") is None else r.str(v["needs_torch"], f"{where}.needs_torch")
+        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded, precision, features, gate, needs_torch))
     if not variants:
         raise r.fail("variants", "the artifact has no variants")
     if len({v.id for v in variants}) != len(variants):

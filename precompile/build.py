@@ -27,7 +27,7 @@ from loader.host import cpu_capability
 from loader.guards import TORCH_DTYPES
 from loader.manifest import CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
 
-from . import __version__
+from . import __version__, native_check
 from .batching import check_batching
 from .check import CheckReport, check_policies, check_policy_outputs, compare, flatten, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
@@ -567,6 +567,7 @@ def _assemble(
                 precision=vp.precision,
                 cpu_features=needed_features(vp.precision) if vp.precision != "fp32" else (),
                 gate=measured[vp.id].to_dict() if vp.id in measured else None,
+                needs_torch=native_check.needs_torch(pkg.path, vp.device),
             )
             for vp, pkg in packages
         ),
