@@ -17,10 +17,11 @@ from typing import Any, Iterable
 import torch
 
 from . import constants as C
-from .errors import ArtifactError, GuardError, IncompatibleArtifactError
+from .errors import ArtifactError, GuardError, IncompatibleArtifactError, first_line
 from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts
-from .manifest import Manifest, OutputSpec, Variant
+from .manifest import Manifest, Variant
+from .outputs import unflatten
 from .cuda import GraphedRunner, parse_device
 from .policy import Policies
 from .precision import REQUESTS, Choice, choose
@@ -261,7 +262,7 @@ class CompiledModel:
     def _outputs(self, outputs: list) -> Any:
         if self._single_tensor:
             return outputs[0]
-        return _unflatten(self._output, iter(outputs))
+        return unflatten(self._output, outputs)
 
     def _dispatch(self, sizes: dict[str, int]) -> tuple[Variant, Any]:
         for static, dynamic in self._tiers:
@@ -288,17 +289,6 @@ def _volume(v: Variant) -> int:
     for r in v.dims.values():
         out *= r.max - r.min + 1
     return out
-
-
-def _unflatten(spec: OutputSpec, flat) -> Any:
-    if spec.kind == "tensor":
-        return next(flat)
-    items = [_unflatten(item, flat) for item in spec.items]
-    if spec.kind == "tuple":
-        return tuple(items)
-    if spec.kind == "list":
-        return items
-    return dict(zip(spec.keys, items))
 
 
 def load(
@@ -400,7 +390,7 @@ def _open_runners(
             runner = open_package(str(root / v.file), single_threaded=graphs and v.kind == "static", device_index=index)
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
-            raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {_first_line(e)}") from None
+            raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {first_line(e)}") from None
         if v.embedded_constants:  # the package holds its own (hashed with it); nothing to hand over
             runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
             continue
@@ -420,7 +410,7 @@ def _open_runners(
         try:
             runner.load_constants(constants, False, True, True)
         except RuntimeError as e:
-            raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {_first_line(e)}") from None
+            raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {first_line(e)}") from None
         runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
     if not runners:
         have = sorted({v.device for v in manifest.variants})
@@ -457,8 +447,3 @@ def _check_constants(manifest: Manifest, weights: MappedWeights) -> None:
 def host_cpu_features() -> frozenset[str]:
     """This CPU's features, as the host check read them (once per process)."""
     return host_facts().cpu_features
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loader.batch import grow
+from loader.batch_tensors import grow
 from loader.manifest import Batching
 
 from .check import flatten, run_eager
