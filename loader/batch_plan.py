@@ -122,13 +122,13 @@ def _static_sizes(model: CompiledModel, dim: str, others: tuple[str, ...]) -> di
 def _measured_pads(model: CompiledModel, dim: str, others: tuple[str, ...]) -> dict[tuple, dict[int, tuple[float, float]]]:
     """Per shape of the other dims, per static batch size the build measured and kept, its
     ``(static_ms, dynamic_ms)``: the shapes padding may aim at (``check.measure`` of the manifest)."""
-    measured = {entry["variant"]: entry for entry in model.manifest.check.get("measure", []) if entry.get("kept")}
+    measured = {entry.variant: entry for entry in model.manifest.check.measure if entry.kept}
     pad_to: dict[tuple, dict[int, tuple[float, float]]] = {}
     for v in model.variants:
         entry = measured.get(v.id)
         if v.kind == "static" and entry is not None:
             key = tuple(v.dims[d].min for d in others)
-            pad_to.setdefault(key, {})[v.dims[dim].min] = (entry["static_ms"], entry["dynamic_ms"])
+            pad_to.setdefault(key, {})[v.dims[dim].min] = (entry.static_ms, entry.dynamic_ms)
     return pad_to
 
 

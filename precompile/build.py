@@ -25,7 +25,7 @@ import loader
 from loader import constants as C
 from loader.host import cpu_capability
 from loader.guards import TORCH_DTYPES
-from loader.manifest import CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
+from loader.manifest import CheckRecord, CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
 
 from . import __version__
 from .batching import check_batching
@@ -234,7 +234,7 @@ def finish(
         manifest = replace(
             manifest,
             files=file_entries(staging),
-            check={
+            check=CheckRecord.from_dict({
                 "shapes": report.shapes,
                 "max_abs_error": report.max_abs_error,
                 "references": references,
@@ -242,7 +242,7 @@ def finish(
                 "plan": plan.to_dict()["traffic"],
                 **({"tuning": [t.to_dict() for t in trials]} if trials else {}),
                 **({"precision": [dict(variant=g.variant, **g.to_dict()) for g in gates]} if gates else {}),
-            },
+            }),
             version=version,
             expires=expires,
             batching=prepared.batching,
