@@ -85,7 +85,8 @@ class _Call:
 
     def joins(self, first: _Call) -> bool:
         """Whether this call may run in a batch whose oldest call is ``first``."""
-        return self.spot.key == first.spot.key and all(lo <= n <= hi for n, (lo, hi) in zip(self.spot.pads, first.spot.reach))
+        mine, oldest = self.spot, first.spot
+        return mine.key == oldest.key and all(lo <= n <= hi for n, (lo, hi) in zip(mine.pads, oldest.reach))
 
 
 class Batcher:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .model import CompiledModel
 
 BATCH_DIM = "batch"  # the batch dim of artifacts without a ``batching`` section
+PadTimes = dict[tuple, dict[int, tuple[float, float]]]  # other dims' sizes -> batch size -> (static_ms, dynamic_ms)
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class BatchPlan:
     batch_dim: str | None
     why: str = ""
     statics: dict[tuple, list[int]] = field(default_factory=dict)  # other dims' sizes -> static batch sizes
-    pad_to: dict[tuple, dict[int, tuple[float, float]]] = field(default_factory=dict)  # -> size -> (static_ms, dynamic_ms)
+    pad_to: PadTimes = field(default_factory=dict)  # the static shapes padding may aim at (measured, kept)
     others: tuple[str, ...] = ()  # the dims other than the batch dim, in the manifest's order (the keys above)
     input_axes: tuple[int, ...] = ()  # per input, its batch axis (empty: axis 0 of every input)
     output_axes: tuple[int, ...] | None = None  # per flat output, its batch axis; None: axis 0, checked per batch
@@ -119,11 +120,11 @@ def _static_sizes(model: CompiledModel, dim: str, others: tuple[str, ...]) -> di
     return statics
 
 
-def _measured_pads(model: CompiledModel, dim: str, others: tuple[str, ...]) -> dict[tuple, dict[int, tuple[float, float]]]:
+def _measured_pads(model: CompiledModel, dim: str, others: tuple[str, ...]) -> PadTimes:
     """Per shape of the other dims, per static batch size the build measured and kept, its
     ``(static_ms, dynamic_ms)``: the shapes padding may aim at (``check.measure`` of the manifest)."""
     measured = {entry.variant: entry for entry in model.manifest.check.measure if entry.kept}
-    pad_to: dict[tuple, dict[int, tuple[float, float]]] = {}
+    pad_to: PadTimes = {}
     for v in model.variants:
         entry = measured.get(v.id)
         if v.kind == "static" and entry is not None:

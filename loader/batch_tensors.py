@@ -64,7 +64,9 @@ def split_outputs(
     for k, t in enumerate(flatten(outputs)):
         axis = plan.output_axis(k)
         if t.dim() <= axis or t.shape[axis] != size:
-            raise NotBatched(f"an output of shape {tuple(t.shape)} for a batch of {size}: its axis {axis} does not follow the batch")
+            raise NotBatched(
+                f"an output of shape {tuple(t.shape)} for a batch of {size}: its axis {axis} does not follow the batch"
+            )
         start = 0
         for c, (rows, pads) in enumerate(shares):
             piece = t.narrow(axis, start, rows)

@@ -477,8 +477,8 @@ class _Reader:
             raise self.fail(where, f"list has {len(value)} items, more than {max_len}")
         return value
 
-    def strs(self, value: Any, where: str, max_len: int = 100_000, pattern: re.Pattern | None = None) -> tuple[str, ...]:
-        """A list of strings, as a tuple."""
+    def strs(self, value: Any, where: str, max_len: int = 100_000, pattern: re.Pattern | None = None) -> tuple:
+        """A list of strings, as a tuple of them."""
         return tuple(self.str(s, f"{where}[{i}]", pattern) for i, s in enumerate(self.list(value, where, max_len)))
 
     def sizes(self, value: Any, where: str, dims: dict[str, DimRange] | None) -> dict[str, int]:
@@ -671,13 +671,20 @@ def _parse_constants(r: _Reader, value: Any) -> dict[str, ConstantSpec]:
     return constants
 
 
-VARIANT_KEYS = ("id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants")
+VARIANT_KEYS = (
+    "id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants",
+)  # fmt: skip
 PRECISION_KEYS = ("precision", "cpu_features", "gate")
 CPU_FEATURE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 
 
 def _parse_variants(
-    r: _Reader, value: Any, *, dims: dict[str, DimRange], files: dict[str, FileEntry], constants: dict[str, ConstantSpec]
+    r: _Reader,
+    value: Any,
+    *,
+    dims: dict[str, DimRange],
+    files: dict[str, FileEntry],
+    constants: dict[str, ConstantSpec],
 ) -> tuple[Variant, ...]:
     """``variants``: at least one, with unique ids (each checked by ``_parse_variant``)."""
     variants = tuple(
@@ -692,7 +699,13 @@ def _parse_variants(
 
 
 def _parse_variant(
-    r: _Reader, item: Any, where: str, *, dims: dict[str, DimRange], files: dict[str, FileEntry], constants: dict[str, ConstantSpec]
+    r: _Reader,
+    item: Any,
+    where: str,
+    *,
+    dims: dict[str, DimRange],
+    files: dict[str, FileEntry],
+    constants: dict[str, ConstantSpec],
 ) -> Variant:
     """One variant: its file among ``files``, a range within the artifact's for every dim (one size
     for a static variant), a hint size per dim, its constants declared in ``constants``."""
@@ -721,7 +734,9 @@ def _parse_variant(
     return Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded, precision, features, gate)
 
 
-def _parse_variant_dims(r: _Reader, value: Any, where: str, *, dims: dict[str, DimRange], static: bool) -> dict[str, DimRange]:
+def _parse_variant_dims(
+    r: _Reader, value: Any, where: str, *, dims: dict[str, DimRange], static: bool
+) -> dict[str, DimRange]:
     """A variant's ``dims``: a range for exactly the artifact's dims, within each one's range."""
     if not isinstance(value, dict) or set(value) != set(dims):
         raise r.fail(where, f"must give a range for exactly the dims {sorted(dims)}")
@@ -736,7 +751,9 @@ def _parse_variant_dims(r: _Reader, value: Any, where: str, *, dims: dict[str, D
     return vdims
 
 
-def _parse_precision(r: _Reader, v: dict, where: str, device: str) -> tuple[str, tuple[str, ...], dict[str, Any] | None]:
+def _parse_precision(
+    r: _Reader, v: dict, where: str, device: str
+) -> tuple[str, tuple[str, ...], dict[str, Any] | None]:
     """A variant's precision, the CPU features it needs and its gate record (fp32 variants have none)."""
     precision = r.str(v.get("precision", "fp32"), f"{where}.precision", choices=C.PRECISIONS)
     if precision == "fp32":
@@ -843,7 +860,8 @@ def _parse_reference(
 
 def _parse_accuracy(r: _Reader, value: Any, where: str) -> AccuracyRecord:
     a = r.obj(value, where, ("metric", "threshold"))
-    return AccuracyRecord(r.str(a["metric"], f"{where}.metric", IDENT_RE), r.number(a["threshold"], f"{where}.threshold"))
+    metric = r.str(a["metric"], f"{where}.metric", IDENT_RE)
+    return AccuracyRecord(metric, r.number(a["threshold"], f"{where}.threshold"))
 
 
 def _parse_output_dims(
@@ -883,7 +901,9 @@ def _parse_policy(
     return policy
 
 
-def _parse_pad_value(r: _Reader, value: Any, *, inputs: tuple[InputSpec, ...], policy: dict[str, str]) -> dict[str, float]:
+def _parse_pad_value(
+    r: _Reader, value: Any, *, inputs: tuple[InputSpec, ...], policy: dict[str, str]
+) -> dict[str, float]:
     """``pad_value``: per input, what a pad policy fills it with; for a ranged input it must lie in
     the range, or padding would feed the compiled code an index the guard refuses from callers."""
     names = {i.name for i in inputs}
