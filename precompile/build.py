@@ -26,10 +26,11 @@ from loader import constants as C
 from loader.host import cpu_capability
 from loader.guards import TORCH_DTYPES
 from loader.manifest import CheckRecord, CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
+from loader.outputs import flatten
 
 from . import __version__
 from .batching import check_batching
-from .check import CheckReport, check_policies, check_policy_outputs, compare, flatten, output_spec, run_eager
+from .check import CheckReport, check_policies, check_policy_outputs, compare, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
 from .errors import CompileError, ModelError, PrecompileError, ProfileError
 from .executors import CompileJob, Executor

@@ -24,11 +24,11 @@ from loader.errors import IncompatibleArtifactError, LoaderError
 from loader.cuda import parse_device
 from loader.host import compatibility_problems, host_facts
 from loader.manifest import Manifest, Reference
+from loader.outputs import flatten
 from loader.pack import read_head, replace_head, unpack, verify_pack, write_pack
 from loader.trust import check_expiry, check_signature, key_id, make_signature, parse_signature, public_keys
 from loader.weights import MappedWeights
 
-from .check import flatten
 from .errors import PrecompileError
 from .precision import agreement, passes
 from .profile import AccuracyRule
