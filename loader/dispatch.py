@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import GuardError
-from .manifest import Manifest, OutputSpec, Variant
+from .manifest import Manifest, Variant
+from .outputs import unflatten
 from .policy import ArrayOps, Policies
 from .precision import Choice
 from .shapes import ShapeGuard
@@ -218,7 +219,7 @@ class ServedModel:
     def _outputs(self, outputs: list) -> Any:
         if self._single_tensor:
             return outputs[0]
-        return _unflatten(self._output, iter(outputs))
+        return unflatten(self._output, outputs)
 
     def _dispatch(self, sizes: dict[str, int]) -> tuple[Variant, Any]:
         for static, dynamic in self._tiers:
@@ -242,14 +243,3 @@ def _volume(v: Variant) -> int:
     for r in v.dims.values():
         out *= r.max - r.min + 1
     return out
-
-
-def _unflatten(spec: OutputSpec, flat) -> Any:
-    if spec.kind == "tensor":
-        return next(flat)
-    items = [_unflatten(item, flat) for item in spec.items]
-    if spec.kind == "tuple":
-        return tuple(items)
-    if spec.kind == "list":
-        return items
-    return dict(zip(spec.keys, items))

@@ -34,3 +34,12 @@ class GuardError(LoaderError, ValueError):
 class InsecurePathError(LoaderError):
     """A cache or state folder, or a file in one, that another user owns or that group or others can
     write: what it holds could have been planted, so it is refused (the message says how to fix it)."""
+
+
+def first_line(e: BaseException, *, limit: int | None = None) -> str:
+    """The first line of ``e``'s message (its type's name when it has none), cut at ``limit``
+    characters: what a one-line error says about a cause whose own text may be a whole page
+    (a compiler's log, a worker's traceback). Loader and build side share this one."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if limit is None else line[:limit]

@@ -16,7 +16,7 @@ import torch
 
 from .aoti import load_constants, open_package
 from .dispatch import ServedModel
-from .errors import ArtifactError, IncompatibleArtifactError
+from .errors import ArtifactError, IncompatibleArtifactError, first_line
 from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts
 from .manifest import Manifest
@@ -197,7 +197,7 @@ def _open_runners(
             runner = open_package(str(root / v.file), single_threaded=single, device_index=index)
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
-            raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {_first_line(e)}") from None
+            raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {first_line(e)}") from None
         if kind == "cuda":
             runner = CudaRunner(runner, index, single_threaded=single)
         if v.embedded_constants:  # the package holds its own (hashed with it); nothing to hand over
@@ -217,7 +217,7 @@ def _open_runners(
         try:  # in place where this torch's binding allows it (loader.aoti)
             load_constants(runner.runner if kind == "cuda" else runner, constants)
         except RuntimeError as e:
-            raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {_first_line(e)}") from None
+            raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {first_line(e)}") from None
         runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
     if not runners:
         have = sorted({v.device for v in manifest.variants})
@@ -243,7 +243,3 @@ def host_cpu_features() -> frozenset[str]:
     """This CPU's features, as the host check read them (once per process)."""
     return host_facts().cpu_features
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

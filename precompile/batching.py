@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from loader.batch import grow
+from loader.batch_tensors import grow
 from loader.manifest import Batching
+from loader.outputs import flatten
 
-from .check import flatten, run_eager
+from .check import run_eager
 from .errors import ProfileError
 from .profile import BatchingSpec, LoadedProfile, Profile, batching_pad_values
 from .samples import make_inputs

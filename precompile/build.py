@@ -25,11 +25,12 @@ import loader
 from loader import constants as C
 from loader.host import cpu_capability
 from loader.guards import TORCH_DTYPES
-from loader.manifest import CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
+from loader.manifest import CheckRecord, CudaInfo, DimRange, Manifest, OutputSpec, Target, Variant, expires_problem, parse_manifest
+from loader.outputs import flatten
 
 from . import __version__, native_check
 from .batching import check_batching
-from .check import CheckReport, check_policies, check_policy_outputs, compare, flatten, output_spec, run_eager
+from .check import CheckReport, check_policies, check_policy_outputs, compare, output_spec, run_eager
 from .compile import CompiledPackage, compile_package
 from .cuda_targets import with_kernel_targets
 from .errors import CompileError, ModelError, PrecompileError, ProfileError
@@ -236,7 +237,7 @@ def finish(
         manifest = replace(
             manifest,
             files=file_entries(staging),
-            check={
+            check=CheckRecord.from_dict({
                 "shapes": report.shapes,
                 "max_abs_error": report.max_abs_error,
                 "references": references,
@@ -244,7 +245,7 @@ def finish(
                 "plan": plan.to_dict()["traffic"],
                 **({"tuning": [t.to_dict() for t in trials]} if trials else {}),
                 **({"precision": [dict(variant=g.variant, **g.to_dict()) for g in gates]} if gates else {}),
-            },
+            }),
             version=version,
             expires=expires,
             batching=prepared.batching,

@@ -12,6 +12,7 @@ import torch
 
 import loader
 from loader.manifest import OutputSpec
+from loader.outputs import flatten
 from loader.policy import split_problem, split_sizes
 
 from .errors import CheckError, ModelError, ProfileError
@@ -35,14 +36,6 @@ def output_spec(value: Any, where: str = "output") -> OutputSpec:
         f"{where} is {type(value).__name__}; forward() may return tensors and tuples, lists or dicts of tensors "
         "(name the outputs to keep in the profile: `model: {factory: ..., outputs: [logits]}`)"
     )
-
-
-def flatten(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in flatten(v)]
-    return [t for v in value for t in flatten(v)]
 
 
 def run_eager(model: torch.nn.Module, args: tuple, *, profile: Profile | None = None, sizes: dict[str, int] | None = None) -> Any:

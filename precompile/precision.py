@@ -35,8 +35,9 @@ from torch.export import ExportedProgram
 
 from loader.guards import TORCH_DTYPES
 from loader.host import cpu_features
+from loader.outputs import flatten
 
-from .check import flatten, run_eager
+from .check import run_eager
 from .compile import CompiledPackage
 from .errors import CompileError, ExportError, ProfileError
 from .export import export_model

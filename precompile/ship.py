@@ -12,7 +12,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from pydantic import ValidationError
@@ -23,12 +23,12 @@ from loader.artifact import manifest_digest, read_manifest_with_bytes, read_sign
 from loader.errors import IncompatibleArtifactError, LoaderError
 from loader.cuda import parse_device
 from loader.host import compatibility_problems, host_facts
-from loader.manifest import Manifest
+from loader.manifest import Manifest, Reference
+from loader.outputs import flatten
 from loader.pack import read_head, replace_head, unpack, verify_pack, write_pack
 from loader.trust import check_expiry, check_signature, key_id, make_signature, parse_signature, public_keys
 from loader.weights import MappedWeights
 
-from .check import flatten
 from .errors import PrecompileError
 from .precision import agreement, passes
 from .profile import AccuracyRule
@@ -317,9 +317,7 @@ def _run_check(path: Path, manifest: Manifest, device: str, cache_dir: str | os.
             skipped.append(f"{precision} not run on this host ({e})")
         except LoaderError as e:
             return Check("run", "FAIL", f"cannot load the {precision} variants: {e}")
-    entries = manifest.check.get("references") if isinstance(manifest.check, dict) else None
-    if isinstance(entries, list):  # references for this device's variants only
-        entries = [e for e in entries if not isinstance(e, dict) or e.get("device", "cpu") == kind]
+    entries = [e for e in manifest.check.references if e.device == kind]  # this device's variants only
     if REFERENCES_FILE not in manifest.files or not entries:
         try:
             model.warmup()
@@ -332,7 +330,7 @@ def _run_check(path: Path, manifest: Manifest, device: str, cache_dir: str | os.
     try:
         for m in models:
             ids = {v.id for v in m.variants if v.precision == m.precision.order[0]}
-            mine = [e for e in entries if not isinstance(e, dict) or e.get("variant") in ids]
+            mine = [e for e in entries if e.variant in ids]
             worst = max(worst, compare_references(m, mine))
             checked += len(mine)
     except ReferenceMismatch as e:
@@ -346,23 +344,24 @@ class ReferenceMismatch(PrecompileError):
     """The artifact's compiled code does not reproduce its stored reference outputs on this host."""
 
 
-def compare_references(model: loader.CompiledModel, entries: Any) -> float:
+def compare_references(model: loader.CompiledModel, entries: Sequence[Reference]) -> float:
     """Run each reference entry's inputs on its variant and compare with the stored outputs, within the
     entry's per-output (atol, rtol). Returns the largest absolute error; ReferenceMismatch otherwise."""
     refs = MappedWeights(str(model.path / REFERENCES_FILE))
-    if not isinstance(entries, list):
-        raise ReferenceMismatch(f"check.references: expected a list, got {type(entries).__name__}")
     worst = 0.0
     for i, entry in enumerate(entries):
         where = f"check.references[{i}]"
+        variant, tolerances = entry.variant, entry.tolerance
         try:
-            variant, ins, outs, tolerance = entry["variant"], entry["inputs"], entry["outputs"], entry["tolerance"]
-            inputs = [refs.tensors[name].to(model.device) for name in ins]
-            wanted = [refs.tensors[name] for name in outs]
-            tolerances = [(float(a), float(r)) for a, r in tolerance]
-            rules = [AccuracyRule(**rule) if rule["metric"] != "equal" else None for rule in entry["accuracy"]] if "accuracy" in entry else None
-        except (KeyError, TypeError, ValueError, ValidationError) as e:
-            raise ReferenceMismatch(f"{where}: malformed entry or missing tensor ({type(e).__name__}: {e})") from None
+            inputs = [refs.tensors[name].to(model.device) for name in entry.inputs]
+            wanted = [refs.tensors[name] for name in entry.outputs]
+            rules = (
+                [AccuracyRule(metric=a.metric, threshold=a.threshold) if a.metric != "equal" else None for a in entry.accuracy]
+                if entry.accuracy is not None
+                else None
+            )
+        except (KeyError, ValidationError) as e:
+            raise ReferenceMismatch(f"{where}: missing tensor or unknown accuracy rule ({type(e).__name__}: {e})") from None
         try:
             got = flatten(model.run_variant(variant, *inputs))
         except Exception as e:  # a guard refusing the stored inputs, or the compiled code failing

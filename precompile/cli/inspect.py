@@ -61,15 +61,15 @@ def describe(manifest) -> str:
     for path, entry in manifest.files.items():
         lines.append(f"  {path:<32} {_size(entry.size):>10}  sha256:{entry.sha256[:12]}")
     if manifest.check:
-        lines.append(f"check     {manifest.check.get('shapes')} shapes, max abs error {manifest.check.get('max_abs_error', 0):.2e}")
-    tuning = manifest.check.get("tuning") if manifest.check else None
+        lines.append(f"check     {manifest.check.shapes} shapes, max abs error {manifest.check.max_abs_error:.2e}")
+    tuning = manifest.check.tuning
     if tuning:
         lines.append("tuning    each variant's candidates, ms on its traffic (* kept)")
         for t in tuning:
             options = ",".join(f"{k}={v}" for k, v in t.get("options", {}).items()) or "defaults"
             result = f"{t['ms']:.3f} ms" if "ms" in t else f"failed: {str(t.get('error', ''))[:80]}"
             lines.append(f"  {'*' if t.get('kept') else ' '} {t.get('variant', '?'):<16} {options:<40} {result}")
-    gates = [g for g in (manifest.check.get("precision") or []) if isinstance(g, dict)] if manifest.check else []
+    gates = manifest.check.precision
     dropped = [g for g in gates if not g.get("kept")]
     if dropped:
         lines.append("precision variants the gate dropped")
