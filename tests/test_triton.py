@@ -1,0 +1,264 @@
+"""`precompile export triton` against a real Triton Inference Server: the session's tagger (a batch
+dim, static variants at batch 1 and 2) exported, `tritonserver` started on loopback, and the
+published tritonclient over HTTP and gRPC. The server comes from scripts/fetch-triton (`make
+triton`, run by `make test` and CI); without it these tests are skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sysconfig
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import loader
+from loader.outputs import flatten
+from precompile.cli import main
+from tests.models import tiny
+from tests.ray_cluster import free_port, stop_group
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON = ROOT / ".triton"
+SERVER = TRITON / "pytriton" / "tritonserver"
+NAME = "tiny-tagger"
+OUTPUTS = ("output.0", "output.1")
+
+pytestmark = pytest.mark.skipif(not (SERVER / "bin" / "tritonserver").exists(), reason="no tritonserver in .triton/: run scripts/fetch-triton (make triton)")
+
+
+def export(*args: str):
+    return CliRunner().invoke(main, ["export", "triton", *args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def repo(tagger_build, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("triton") / "repo"
+    # A longer queue delay than the default, so that concurrent requests meet on this busy machine.
+    result = export(str(tagger_build.path), "-o", str(out), "--max-queue-delay-us", "50000")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+class Server:
+    """`tritonserver` on loopback ports, in a process group of its own (stopped as a group)."""
+
+    def __init__(self, repo: Path, log: Path):
+        self.http, self.grpc = free_port(), free_port()
+        site_packages = sysconfig.get_paths()["purelib"]  # this venv's: loader's torch and numpy
+        env = dict(
+            os.environ,
+            OMP_WAIT_POLICY="PASSIVE",
+            LD_LIBRARY_PATH=os.pathsep.join(filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")])),
+            PYTHONPATH=os.pathsep.join([str(TRITON / "stub-site"), str(ROOT), site_packages]),
+        )
+        self.log = log
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(
+                [
+                    str(SERVER / "bin" / "tritonserver"), "--model-repository", str(repo),
+                    "--backend-directory", str(SERVER / "backends"),
+                    "--http-address", "127.0.0.1", "--http-port", str(self.http),
+                    "--grpc-address", "127.0.0.1", "--grpc-port", str(self.grpc),
+                    "--allow-metrics", "false", "--exit-timeout-secs", "5",
+                ],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/models/{NAME}/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"tritonserver did not get ready: {self.log.read_text(errors='replace')[-4000:]}")
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/models/{NAME}/stats", timeout=10) as r:
+            return json.loads(r.read())["model_stats"][0]
+
+    def stop(self) -> None:
+        stop_group(self.process, grace=15)  # the backend stubs too, if they outlive it
+
+
+@pytest.fixture(scope="module")
+def server(repo, tmp_path_factory):
+    s = Server(repo, tmp_path_factory.mktemp("triton-log") / "tritonserver.log")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(server):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    return {
+        "http": (httpclient, httpclient.InferenceServerClient(f"127.0.0.1:{server.http}", concurrency=16)),
+        "grpc": (grpcclient, grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")),
+    }
+
+
+def call(client_module, client, ids: np.ndarray, mask: np.ndarray, *, ids_type: str = "INT64"):
+    inputs = [client_module.InferInput("ids", list(ids.shape), ids_type), client_module.InferInput("mask", list(mask.shape), "BOOL")]
+    inputs[0].set_data_from_numpy(ids)
+    inputs[1].set_data_from_numpy(mask)
+    result = client.infer(NAME, inputs)
+    return [result.as_numpy(name) for name in OUTPUTS]
+
+
+def sample(batch: int, seq: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 50, (batch, seq), dtype=np.int64), np.ones((batch, seq), dtype=bool)
+
+
+@pytest.fixture(scope="module")
+def references(tagger_build):
+    """What eager and the torch loader answer, per (ids, mask)."""
+    eager = tiny.tagger().eval()
+    compiled = loader.load(tagger_build.path)
+
+    def answer(ids: np.ndarray, mask: np.ndarray):
+        args = (torch.from_numpy(ids), torch.from_numpy(mask))
+        with torch.no_grad():
+            return [t.numpy() for t in flatten(eager(*args))], [t.numpy() for t in flatten(compiled(*args))]
+
+    return answer
+
+
+def test_the_config_says_what_the_manifest_says(repo, tagger_build):
+    config = (repo / NAME / "config.pbtxt").read_text()
+    version = loader.load(tagger_build.path).manifest.version
+    assert "max_batch_size: 8" in config  # the batch dim's largest size
+    assert '{ name: "ids", data_type: TYPE_INT64, dims: [ -1 ] }' in config  # seq is dynamic, batch left out
+    assert '{ name: "output.0", data_type: TYPE_FP32, dims: [ -1, 3 ] }' in config
+    assert "preferred_batch_size: [ 2 ]" in config  # the static variants' batch sizes above 1
+    assert "kind: KIND_CPU" in config
+    assert (repo / NAME / str(version) / "model.py").is_file()
+    assert (repo / NAME / str(version) / "artifact" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_answers_match_eager_and_the_loader(clients, references, protocol):
+    module, client = clients[protocol]
+    for batch, seq in [(1, 16), (2, 8), (3, 11), (8, 32), (5, 4)]:
+        ids, mask = sample(batch, seq, seed=batch * 100 + seq)
+        got = call(module, client, ids, mask)
+        eager, compiled = references(ids, mask)
+        for g, e, c in zip(got, eager, compiled):
+            assert g.shape == e.shape
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(g, c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_calls_are_refused_and_the_server_keeps_serving(clients, references, protocol):
+    from tritonclient.utils import InferenceServerException
+
+    module, client = clients[protocol]
+    ids, mask = sample(2, 40, seed=1)  # seq 40: beyond the artifact's [4, 32]
+    with pytest.raises(InferenceServerException, match=r"seq") as refused:
+        call(module, client, ids, mask)
+    assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    ids, mask = sample(2, 8, seed=2)
+    ids[1, 3] = 99  # an integer outside the embedding's rows [0, 49]
+    with pytest.raises(InferenceServerException, match=r"99 .*outside the valid range \[0, 49\]") as refused:
+        call(module, client, ids, mask)
+    assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    # A wrong dtype never reaches the model: Triton checks it against config.pbtxt.
+    with pytest.raises(InferenceServerException, match=r"'ids' data-type is 'INT32', but model 'tiny-tagger' expects 'INT64'"):
+        call(module, client, ids.astype(np.int32), np.ones_like(mask), ids_type="INT32")
+    ids, mask = sample(3, 12, seed=3)
+    got = call(module, client, ids, mask)
+    np.testing.assert_allclose(got[1], references(ids, mask)[1][1], rtol=1e-6, atol=1e-6)
+
+
+def test_the_dynamic_batcher_batches_and_each_request_is_guarded(server, clients, references):
+    """Concurrent requests (with bad ones among them) run in fewer executions than requests, and
+    every request gets its own answer: the right one, or its refusal."""
+    from tritonclient.utils import InferenceServerException
+
+    module, client = clients["grpc"]  # the gRPC client may be shared by threads (the HTTP one may not)
+    calls = [sample(1, 16, seed=i) for i in range(24)]
+    for i in (5, 17):
+        calls[i][0][0, 0] = 77  # refused by the guards, whatever batch it lands in
+    before = server.stats()
+
+    def one(i: int):
+        try:
+            return call(module, client, *calls[i])
+        except InferenceServerException as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        answers = list(pool.map(one, range(len(calls))))
+    after = server.stats()
+    for i, (answer, (ids, mask)) in enumerate(zip(answers, calls)):
+        if i in (5, 17):
+            assert isinstance(answer, InferenceServerException) and "77" in str(answer), answer
+            continue
+        assert not isinstance(answer, Exception), answer
+        for g, c in zip(answer, references(ids, mask)[1]):
+            np.testing.assert_allclose(g, c, rtol=1e-6, atol=1e-6)
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences >= 22 and executions < inferences, (inferences, executions)
+    assert any(b["batch_size"] > 1 for b in after["batch_stats"]), after["batch_stats"]
+
+
+def test_a_folder_that_is_not_empty_is_refused(tagger_build, tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    result = export(str(tagger_build.path), "-o", str(tmp_path))
+    assert result.exit_code == 1
+    assert result.output.strip() == f"Error: {tmp_path}: exists and is not an empty folder; give a new or empty one"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def test_a_dtype_triton_cannot_hand_over_is_refused(tagger_build, tmp_path):
+    artifact = tmp_path / "artifact"
+    shutil.copytree(tagger_build.path, artifact)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    mask = next(spec for spec in manifest["inputs"] if spec["name"] == "mask")
+    mask["dtype"] = "bfloat16"
+    mask.pop("range", None)
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    result = export(str(artifact), "-o", str(tmp_path / "repo"))
+    assert result.exit_code == 1
+    assert result.output.strip() == f"Error: {artifact}: input 'mask': dtype bfloat16 has no Triton Python-backend type (supported: bool, uint8, int8, int16, int32, int64, float16, float32, float64)"
+    assert not (tmp_path / "repo").exists()
+
+
+def test_two_artifacts_of_one_version_are_refused(tagger_build, tmp_path):
+    result = export(str(tagger_build.path), str(tagger_build.path), "-o", str(tmp_path / "repo"))
+    assert result.exit_code == 1
+    assert "version 1 is also" in result.output and "give each version once" in result.output
+    assert not (tmp_path / "repo").exists()
+
+
+def test_help():
+    result = CliRunner().invoke(main, ["export", "triton", "--help"], catch_exceptions=False)
+    assert result.exit_code == 0 and "model repository" in result.output
+
+
+def test_link_symlinks_the_artifact(tagger_build, tmp_path):
+    result = export(str(tagger_build.path), "-o", str(tmp_path / "repo"), "--link")
+    assert result.exit_code == 0, result.output
+    artifact = tmp_path / "repo" / NAME / "1" / "artifact"
+    assert artifact.is_symlink() and artifact.resolve() == Path(tagger_build.path).resolve()
