@@ -60,7 +60,7 @@ class TritonExportError(PrecompileError):
 class TensorConfig:
     name: str
     data_type: str  # TYPE_FP32, ...
-    dims: tuple[int, ...]  # without the batch dim when the model batches; -1: any size
+    dims: tuple[int, ...]  # without the batch dim when the model batches; -1: any size; (): none
 
 
 @dataclass(frozen=True)
@@ -127,10 +127,12 @@ def describe(artifact: str | os.PathLike, *, instances: int = 1, max_queue_delay
         TensorConfig(spec.name, _data_type(where, f"input {spec.name!r}", spec.dtype), _dims(where, f"input {spec.name!r}", m, spec.shape, batch))
         for spec in m.inputs
     )
+    # Without output_dims an output's axes may follow any dim, unless every dim but the batch dim is fixed.
+    fixed = batch is not None and all(r.min == r.max for d, r in m.dims.items() if d != batch)
     outputs = []
     for k, (name, t) in enumerate(zip(output_names(m.output), probe)):
         axes = m.output_dims[k] if m.output_dims is not None else (None,) * t.dim()
-        shape = tuple(d if d is not None else (size if m.output_dims is not None else "?") for d, size in zip(axes, t.shape))
+        shape = tuple(d if d is not None else (size if m.output_dims is not None or fixed else "?") for d, size in zip(axes, t.shape))
         if m.output_dims is None and batch is not None:
             shape = (batch,) + shape[1:]
         dtype = str(t.dtype).removeprefix("torch.")
@@ -264,8 +266,6 @@ def _dims(where: str, what: str, m: Manifest, shape: tuple, batch: str | None) -
             dims.append(s)
         else:
             raise TritonExportError(f"{where}: {what}: axis {axis} has size {s}; Triton dims are sizes of 1 or more, or -1")
-    if not dims:
-        raise TritonExportError(f"{where}: {what}: no axes {'besides the batch dim ' if batch else ''}to describe; Triton configs need at least one dim")
     return tuple(dims)
 
 
@@ -273,8 +273,9 @@ def _tensors(kind: str, tensors: tuple[TensorConfig, ...]) -> list[str]:
     lines = [f"{kind} ["]
     for i, t in enumerate(tensors):
         comma = "," if i < len(tensors) - 1 else ""
-        dims = ", ".join(str(d) for d in t.dims)
-        lines.append(f"  {{ name: {_quote(t.name)}, data_type: {t.data_type}, dims: [ {dims} ] }}{comma}")
+        # No axis (besides the batch dim): Triton wants one, so [1] on the wire, reshaped to none for the model.
+        shape = f"dims: [ {', '.join(str(d) for d in t.dims)} ]" if t.dims else "dims: [ 1 ], reshape: { shape: [ ] }"
+        lines.append(f"  {{ name: {_quote(t.name)}, data_type: {t.data_type}, {shape} }}{comma}")
     return lines + ["]"]
 
 

@@ -23,6 +23,7 @@ from click.testing import CliRunner
 import loader
 from loader.outputs import flatten
 from precompile.cli import main
+from tests.conftest import artifact_version
 from tests.models import tiny
 from tests.ray_cluster import free_port, stop_group
 
@@ -40,10 +41,15 @@ def export(*args: str):
 
 
 @pytest.fixture(scope="module")
-def repo(tagger_build, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("triton") / "repo"
+def repo(tagger_build, structured_artifact, tmp_path_factory) -> Path:
+    """The tagger as versions 1 and 2, and the structured model (dict and tuple outputs, one of them
+    a number per row), in one repository."""
+    folder = tmp_path_factory.mktemp("triton")
+    tagger_v2 = artifact_version(tagger_build.path, folder / "tagger-v2", 2)
+    out = folder / "repo"
     # A longer queue delay than the default, so that concurrent requests meet on this busy machine.
-    result = export(str(tagger_build.path), "-o", str(out), "--max-queue-delay-us", "50000")
+    args = [str(tagger_build.path), str(tagger_v2), str(structured_artifact), "-o", str(out), "--max-queue-delay-us", "50000"]
+    result = export(*args)
     assert result.exit_code == 0, result.output
     return out
 
@@ -88,8 +94,14 @@ class Server:
         raise RuntimeError(f"tritonserver did not get ready: {self.log.read_text(errors='replace')[-4000:]}")
 
     def stats(self) -> dict:
+        """Triton's statistics extension for the tagger, its versions added up."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/models/{NAME}/stats", timeout=10) as r:
-            return json.loads(r.read())["model_stats"][0]
+            versions = json.loads(r.read())["model_stats"]
+        return {
+            "inference_count": sum(v["inference_count"] for v in versions),
+            "execution_count": sum(v["execution_count"] for v in versions),
+            "batch_sizes": sorted({b["batch_size"] for v in versions for b in v["batch_stats"]}),
+        }
 
     def stop(self) -> None:
         stop_group(self.process, grace=15)  # the backend stubs too, if they outlive it
@@ -116,11 +128,11 @@ def clients(server):
     }
 
 
-def call(client_module, client, ids: np.ndarray, mask: np.ndarray, *, ids_type: str = "INT64"):
+def call(client_module, client, ids: np.ndarray, mask: np.ndarray, *, ids_type: str = "INT64", version: str = ""):
     inputs = [client_module.InferInput("ids", list(ids.shape), ids_type), client_module.InferInput("mask", list(mask.shape), "BOOL")]
     inputs[0].set_data_from_numpy(ids)
     inputs[1].set_data_from_numpy(mask)
-    result = client.infer(NAME, inputs)
+    result = client.infer(NAME, inputs, model_version=version)
     return [result.as_numpy(name) for name in OUTPUTS]
 
 
@@ -143,16 +155,40 @@ def references(tagger_build):
     return answer
 
 
-def test_the_config_says_what_the_manifest_says(repo, tagger_build):
+def test_the_config_says_what_the_manifest_says(repo):
     config = (repo / NAME / "config.pbtxt").read_text()
-    version = loader.load(tagger_build.path).manifest.version
     assert "max_batch_size: 8" in config  # the batch dim's largest size
     assert '{ name: "ids", data_type: TYPE_INT64, dims: [ -1 ] }' in config  # seq is dynamic, batch left out
     assert '{ name: "output.0", data_type: TYPE_FP32, dims: [ -1, 3 ] }' in config
     assert "preferred_batch_size: [ 2 ]" in config  # the static variants' batch sizes above 1
     assert "kind: KIND_CPU" in config
-    assert (repo / NAME / str(version) / "model.py").is_file()
-    assert (repo / NAME / str(version) / "artifact" / "manifest.json").is_file()
+    assert "version_policy: { specific: { versions: [ 1, 2 ] } }" in config
+    for version in ("1", "2"):
+        assert (repo / NAME / version / "model.py").is_file()
+        assert json.loads((repo / NAME / version / "artifact" / "manifest.json").read_text())["version"] == int(version)
+    structured = (repo / "tiny-structured" / "config.pbtxt").read_text()
+    assert "max_batch_size: 32" in structured and "dynamic_batching" in structured
+    assert '{ name: "hidden", data_type: TYPE_FP32, dims: [ 4 ] }' in structured
+    assert '{ name: "pair.1", data_type: TYPE_FP32, dims: [ 1 ], reshape: { shape: [ ] } }' in structured
+
+
+def test_every_version_and_model_answers(clients, references):
+    module, client = clients["grpc"]
+    ids, mask = sample(2, 9, seed=7)
+    expected = references(ids, mask)[1]
+    for version in ("1", "2"):
+        for got, want in zip(call(module, client, ids, mask, version=version), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    inputs = [module.InferInput("x", [5, 8], "FP32")]
+    inputs[0].set_data_from_numpy(x)
+    result = client.infer("tiny-structured", inputs)
+    with torch.no_grad():
+        eager = tiny.structured().eval()(torch.from_numpy(x))
+    np.testing.assert_allclose(result.as_numpy("hidden"), eager["hidden"].numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(result.as_numpy("pair.0"), eager["pair"][0].numpy(), rtol=1e-4, atol=1e-5)
+    # a number per row: [5, 1] on the wire (Triton's dims need an axis), [5] in the model
+    np.testing.assert_allclose(result.as_numpy("pair.1"), eager["pair"][1].numpy()[:, None], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -220,7 +256,7 @@ def test_the_dynamic_batcher_batches_and_each_request_is_guarded(server, clients
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences >= 22 and executions < inferences, (inferences, executions)
-    assert any(b["batch_size"] > 1 for b in after["batch_stats"]), after["batch_stats"]
+    assert max(after["batch_sizes"]) > 1, after["batch_sizes"]
 
 
 def test_a_folder_that_is_not_empty_is_refused(tagger_build, tmp_path):
