@@ -123,6 +123,8 @@ def describe(artifact: str | os.PathLike, *, instances: int = 1, max_queue_delay
     batch, unbatched = plan.batch_dim, plan.why
     if batch is not None and (any(plan.input_axis(i) for i in range(len(m.inputs))) or any(plan.output_axis(k) for k in range(len(probe)))):
         batch, unbatched = None, f"{plan.batch_dim!r} is not axis 0 of every input and output"
+    if batch is not None and any(t.dim() == 0 for t in probe):
+        batch, unbatched = None, "an output has no axes, so no batch axis"
     inputs = tuple(
         TensorConfig(spec.name, _data_type(where, f"input {spec.name!r}", spec.dtype), _dims(where, f"input {spec.name!r}", m, spec.shape, batch))
         for spec in m.inputs
