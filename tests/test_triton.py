@@ -42,13 +42,16 @@ def export(*args: str):
 
 @pytest.fixture(scope="module")
 def repo(tagger_build, structured_artifact, tmp_path_factory) -> Path:
-    """The tagger as versions 1 and 2, and the structured model (dict and tuple outputs, one of them
-    a number per row), in one repository."""
+    """The tagger as versions 1, 2 and 3 (a pack), and the structured model (dict and tuple outputs,
+    one of them a number per row), in one repository."""
+    from precompile.ship import pack
+
     folder = tmp_path_factory.mktemp("triton")
     tagger_v2 = artifact_version(tagger_build.path, folder / "tagger-v2", 2)
+    tagger_v3 = pack(artifact_version(tagger_build.path, folder / "tagger-v3", 3), folder / "tagger-v3.tar.zst")
     out = folder / "repo"
     # A longer queue delay than the default, so that concurrent requests meet on this busy machine.
-    args = [str(tagger_build.path), str(tagger_v2), str(structured_artifact), "-o", str(out), "--max-queue-delay-us", "50000"]
+    args = [str(tagger_build.path), str(tagger_v2), str(tagger_v3), str(structured_artifact), "-o", str(out), "--max-queue-delay-us", "50000"]
     result = export(*args)
     assert result.exit_code == 0, result.output
     return out
@@ -57,12 +60,13 @@ def repo(tagger_build, structured_artifact, tmp_path_factory) -> Path:
 class Server:
     """`tritonserver` on loopback ports, in a process group of its own (stopped as a group)."""
 
-    def __init__(self, repo: Path, log: Path):
+    def __init__(self, repo: Path, log: Path, cache: Path):
         self.http, self.grpc = free_port(), free_port()
         site_packages = sysconfig.get_paths()["purelib"]  # this venv's: loader's torch and numpy
         env = dict(
             os.environ,
             OMP_WAIT_POLICY="PASSIVE",
+            PRECOMPILE_CACHE=str(cache),  # where the stub unpacks the pack
             LD_LIBRARY_PATH=os.pathsep.join(filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")])),
             PYTHONPATH=os.pathsep.join([str(TRITON / "stub-site"), str(ROOT), site_packages]),
         )
@@ -109,7 +113,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(repo, tmp_path_factory):
-    s = Server(repo, tmp_path_factory.mktemp("triton-log") / "tritonserver.log")
+    folder = tmp_path_factory.mktemp("triton-server")
+    s = Server(repo, folder / "tritonserver.log", folder / "cache")
     try:
         s.wait_ready()
         yield s
@@ -162,10 +167,11 @@ def test_the_config_says_what_the_manifest_says(repo):
     assert '{ name: "output.0", data_type: TYPE_FP32, dims: [ -1, 3 ] }' in config
     assert "preferred_batch_size: [ 2 ]" in config  # the static variants' batch sizes above 1
     assert "kind: KIND_CPU" in config
-    assert "version_policy: { specific: { versions: [ 1, 2 ] } }" in config
+    assert "version_policy: { specific: { versions: [ 1, 2, 3 ] } }" in config
     for version in ("1", "2"):
         assert (repo / NAME / version / "model.py").is_file()
         assert json.loads((repo / NAME / version / "artifact" / "manifest.json").read_text())["version"] == int(version)
+    assert (repo / NAME / "3" / "artifact.tar.zst").is_file()  # a pack stays a pack
     structured = (repo / "tiny-structured" / "config.pbtxt").read_text()
     assert "max_batch_size: 32" in structured and "dynamic_batching" in structured
     assert '{ name: "hidden", data_type: TYPE_FP32, dims: [ 4 ] }' in structured
@@ -176,7 +182,7 @@ def test_every_version_and_model_answers(clients, references):
     module, client = clients["grpc"]
     ids, mask = sample(2, 9, seed=7)
     expected = references(ids, mask)[1]
-    for version in ("1", "2"):
+    for version in ("1", "2", "3"):
         for got, want in zip(call(module, client, ids, mask, version=version), expected):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
