@@ -1,7 +1,7 @@
 """`precompile export triton` against a real Triton Inference Server: the session's tagger (a batch
 dim, static variants at batch 1 and 2) exported, `tritonserver` started on loopback, and the
 published tritonclient over HTTP and gRPC. The server comes from scripts/fetch-triton (`make
-triton`, run by `make test` and CI); without it these tests are skipped."""
+triton`, run by `make test` and CI); without it the tests that talk to it are skipped."""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ SERVER = TRITON / "pytriton" / "tritonserver"
 NAME = "tiny-tagger"
 OUTPUTS = ("output.0", "output.1")
 
-pytestmark = pytest.mark.skipif(not (SERVER / "bin" / "tritonserver").exists(), reason="no tritonserver in .triton/: run scripts/fetch-triton (make triton)")
 
 
 def export(*args: str):
@@ -113,6 +112,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(repo, tmp_path_factory):
+    if not (SERVER / "bin" / "tritonserver").exists():
+        pytest.skip("no tritonserver in .triton/: run scripts/fetch-triton (make triton)")
     folder = tmp_path_factory.mktemp("triton-server")
     s = Server(repo, folder / "tritonserver.log", folder / "cache")
     try:
