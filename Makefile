@@ -21,7 +21,9 @@ demo: venv
 	$(VENV)/bin/precompile build profiles/examples/text_classifier_planned.yaml -o artifacts/text-classifier
 	$(PY) profiles/examples/demo.py artifacts/text-classifier
 
+# lint-imports first: the contracts in pyproject.toml ([tool.importlinter]) take seconds, the tests minutes.
 test: venv
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 # The benchmark's extra packages (transformers, the MiniLM weights, matplotlib), on top of `make venv`.

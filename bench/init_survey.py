@@ -117,11 +117,11 @@ CASES = {
 
 def run_case(name: str, folder: Path) -> dict:
     import loader
-    from precompile.build import build
-    from precompile.init import init_profile, parse_examples
+    from precompile.authoring.init import init_profile, parse_examples
+    from precompile.pipeline import build
     from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
     from precompile.samples import make_inputs
+    from precompile.stages.resolve import resolve_model
 
     kind, examples = CASES[name]
     row = {"model": name, "kind": kind, "stage": "init"}

@@ -2,7 +2,7 @@
 
 ``torch.onnx.export(model, args, dynamo=True, dynamic_shapes=...)`` with one ``Dim`` per profile dim,
 named as the profile names it (so the ONNX inputs say ``batch``, ``seq``…), and example sizes from
-``precompile.export.export_hints`` (≥ 2 and distinct, as our own export uses). A model that does not
+``precompile.tracing.export_hints`` (≥ 2 and distinct, as our own export uses). A model that does not
 export is not an error of the benchmark: the result says why, and the peers are reported as failed.
 """
 
@@ -14,14 +14,15 @@ import re
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.export import Dim
 
-from precompile.export import export_hints
 from precompile.profile import Profile
+from precompile.tracing import export_hints
 
 from .workload import inputs_for
 

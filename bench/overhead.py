@@ -100,7 +100,7 @@ def main() -> None:
     torch.set_num_threads(1)
     path = opts.artifact
     if path is None:
-        from precompile.build import build
+        from precompile.pipeline import build
 
         path = build(ROOT / "profiles/examples/text_classifier.yaml", Path(tempfile.mkdtemp()) / "tc").path
     model = loader.load(path)

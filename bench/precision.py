@@ -23,8 +23,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -102,12 +103,12 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
-    from precompile.build import build
-    from precompile.precision import calibration_inputs
-    from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
-
     import loader
+    from precompile.calibration import calibration_inputs
+    from precompile.pipeline import build
+    from precompile.profile import load_profile
+    from precompile.stages.resolve import resolve_model
+    from precompile.traffic import read_distribution
 
     from .onnx_export import export_onnx
     from .peers import open_engine
@@ -149,7 +150,7 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
     else:
         log(f"{name}: ONNX export failed, peers skipped: {onnx['failed']}")
 
-    samples = [args for _, args in calibration_inputs(loaded)]
+    samples = [args for _, args in calibration_inputs(loaded, read_distribution(loaded))]
     accuracy = {}
     for label, fn in methods.items():
         accuracy[label] = min(cosine(fn(args), eager(args)) for args in samples)

@@ -15,17 +15,18 @@ import platform
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import yaml
 from safetensors.torch import save_file
 
-from precompile.build import build
+from precompile.pipeline import build
 from precompile.profile import load_profile
 from precompile.progress import Progress
-from precompile.resolve import resolve_model
+from precompile.stages.resolve import resolve_model
 
 from . import coldstart, steady
 from .cases import Case, Sizes

@@ -312,11 +312,11 @@ def eager_server(artifact: str, profile: str, port: int, serve_args: str) -> Non
 
     import loader.model
     from loader.artifact import read_manifest
-    from precompile.check import flatten
     from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
+    from precompile.runners import flatten
     from precompile.serve.app import create_app
     from precompile.serve.config import ServeConfig
+    from precompile.stages.resolve import resolve_model
 
     module = resolve_model(load_profile(profile)).eval().requires_grad_(False)
     manifest = read_manifest(Path(artifact))
@@ -366,7 +366,7 @@ HEADER = f"  {'server':<20} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}
 
 
 def build_case(case: str, work: Path) -> tuple[Path, Path]:
-    from precompile.build import build
+    from precompile.pipeline import build
 
     profile = PROFILES / f"{case}.yaml"
     out = work / case / "artifact"

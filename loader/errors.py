@@ -1,5 +1,15 @@
 """The loader's exceptions. Every failure a caller can cause or a file can contain is one of these."""
 
+from __future__ import annotations
+
+
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's message (its type's name when it has none), for one-line
+    errors that wrap another library's; at most ``limit`` characters."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line[:limit] if limit is not None else line
+
 
 class LoaderError(Exception):
     """Base of every error the loader raises on purpose."""

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import torch
 
 from . import constants as C
-from .errors import ArtifactError, GuardError, IncompatibleArtifactError
+from .errors import ArtifactError, GuardError, IncompatibleArtifactError, first_line
 from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts
 from .manifest import Manifest, OutputSpec, Variant
@@ -43,6 +43,13 @@ def open_package(path: str, *, single_threaded: bool = False, device_index: int 
     """
     index = -1 if device_index is None else device_index
     return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, 1, index)
+
+
+def load_constants(runner: Any, constants: dict[str, torch.Tensor]) -> None:
+    """Hand a runner every constant it needs, read in place: into its active buffer
+    (``use_inactive=False``), all of them (``check_full_update``), owned by the caller, who keeps them
+    alive (``user_managed``: no copy)."""
+    runner.load_constants(constants, use_inactive=False, check_full_update=True, user_managed=True)
 
 
 class CompiledModel:
@@ -400,7 +407,7 @@ def _open_runners(
             runner = open_package(str(root / v.file), single_threaded=graphs and v.kind == "static", device_index=index)
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
-            raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {_first_line(e)}") from None
+            raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {first_line(e)}") from None
         if v.embedded_constants:  # the package holds its own (hashed with it); nothing to hand over
             runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
             continue
@@ -418,9 +425,9 @@ def _open_runners(
         # user_managed: the runner uses these tensors in place (no copy); check_full_update: every
         # constant must be given, since a missing one would be read as null by the compiled code.
         try:
-            runner.load_constants(constants, False, True, True)
+            load_constants(runner, constants)
         except RuntimeError as e:
-            raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {_first_line(e)}") from None
+            raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {first_line(e)}") from None
         runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
     if not runners:
         have = sorted({v.device for v in manifest.variants})
@@ -458,7 +465,3 @@ def host_cpu_features() -> frozenset[str]:
     """This CPU's features, as the host check read them (once per process)."""
     return host_facts().cpu_features
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

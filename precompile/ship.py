@@ -28,9 +28,9 @@ from loader.pack import read_head, replace_head, unpack, verify_pack, write_pack
 from loader.trust import check_expiry, check_signature, key_id, make_signature, parse_signature, public_keys
 from loader.weights import MappedWeights
 
-from .check import flatten
+from .compare import agreement, passes
 from .errors import PrecompileError
-from .precision import agreement, passes
+from .runners import flatten
 from .profile import AccuracyRule
 
 REFERENCES_FILE = "references.safetensors"

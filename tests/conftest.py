@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from precompile.build import build
 from precompile.cli import main
+from precompile.pipeline import build
 
 MODELS = Path(__file__).parent / "models" / "tiny.py"
 

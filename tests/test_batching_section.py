@@ -16,9 +16,9 @@ import loader
 from loader.batch import BatchPlan, aim, batch_plan
 from loader.errors import ArtifactError
 from loader.manifest import parse_manifest
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
 from precompile.serve.app import create_app
 from precompile.serve.config import ServeConfig

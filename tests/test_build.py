@@ -10,12 +10,12 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import CheckError, ExportError
+from precompile.pipeline import build
 from precompile.profile import load_profile
-from precompile.resolve import resolve_model
 from precompile.samples import make_inputs
+from precompile.stages.resolve import resolve_model
 
 from .conftest import write_profile
 
@@ -150,12 +150,12 @@ def test_measure_drops_static_variants_that_do_not_pay(tmp_path):
     """)
     result = build(profile, tmp_path / "out", jobs=1)
     (entry,) = result.measured
-    assert entry["variant"] == "static-0" and entry["against"] == "dynamic" and not entry["kept"]
-    assert entry["static_ms"] > 0 and entry["dynamic_ms"] > 0
+    assert entry.variant == "static-0" and entry.against == "dynamic" and not entry.kept
+    assert entry.static_ms > 0 and entry.dynamic_ms > 0
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert [v["id"] for v in manifest["variants"]] == ["dynamic"]
     assert "variants/static-0.pt2" not in manifest["files"] and not (tmp_path / "out" / "variants" / "static-0.pt2").exists()
-    assert manifest["check"]["measure"][0]["speedup"] == entry["speedup"]
+    assert manifest["check"]["measure"][0]["speedup"] == entry.speedup
     assert loader.load(tmp_path / "out")(torch.ones(4, 8))["hidden"].shape == (4, 4)
 
 

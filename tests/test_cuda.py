@@ -15,9 +15,9 @@ import loader
 from loader import IncompatibleArtifactError
 from loader.cuda import CudaFacts, cuda_problems, parse_device, runs_on
 from loader.manifest import CudaInfo, parse_manifest
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
 
 from .conftest import STRUCTURED_PROFILE, write_profile

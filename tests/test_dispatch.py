@@ -11,8 +11,8 @@ import torch
 
 import loader
 from loader import GuardError
-from precompile.plan import read_distribution
 from precompile.profile import load_profile
+from precompile.traffic import read_distribution
 
 from .conftest import write_profile
 from .models.tiny import tagger

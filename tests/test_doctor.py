@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from precompile.build import build
+from precompile.authoring.doctor import diagnose
 from precompile.cli import main
-from precompile.doctor import diagnose
 from precompile.errors import ExportError, ModelError, ProfileError
+from precompile.pipeline import build
 
 from .test_init import folder_with_models
 

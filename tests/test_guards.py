@@ -18,10 +18,11 @@ import loader
 from loader import GuardError
 from loader.errors import ArtifactError
 from loader.manifest import parse_manifest
-from precompile.build import build
+from precompile.analysis.value_ranges import index_tables, with_value_ranges
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import Profile
-from precompile.values import explain_eager_failure, index_tables, with_value_ranges
+from precompile.stages.resolve import explain_eager_failure
 
 from .conftest import CLASSIFIER_PROFILE, write_profile
 from .test_fuzz_calls import Marked, Wrapper, _no_storage
@@ -217,8 +218,8 @@ def test_the_build_finds_the_tables_integer_inputs_index():
 
 
 def test_undeclared_ranges_come_from_the_tables_and_an_unguarded_input_is_a_warning(tmp_path):
+    from precompile.analysis.value_ranges import IndexTable
     from precompile.profile import LoadedProfile
-    from precompile.values import IndexTable
 
     loaded = LoadedProfile(profile=INDEXES_PROFILE, path=tmp_path / "p.yaml")
     tables = {"flat": IndexTable(10, "embedding"), "twice": IndexTable(5, "embedding")}
@@ -242,20 +243,21 @@ def test_a_declared_range_past_the_table_is_a_profile_error_before_compiling(tmp
 
 def test_a_range_past_the_table_is_named_even_when_samples_stay_inside(tmp_path):
     """The samples need not hit the bad values: every variant's export is checked before its compile."""
-    from precompile.build import CompileTask, _compile_one
-    from precompile.plan import make_plan
+    from precompile.executors.worker import compile_unit
     from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
+    from precompile.stages.plan import make_plan
+    from precompile.stages.resolve import resolve_model
+    from precompile.units import CompileTask
 
     loaded = load_profile(write_profile(tmp_path, CLASSIFIER_PROFILE.replace("range: [0, 49]", "range: [-1, 49]")))
     with pytest.raises(ProfileError, match=r"inputs.ids.range: \[-1, 49\] goes past the embedding table of 50 rows"):
-        _compile_one(loaded, resolve_model(loaded), CompileTask(make_plan(loaded).variants[0], 0, {}, "v.pt2"), tmp_path)
+        compile_unit(loaded, resolve_model(loaded), CompileTask(make_plan(loaded).variants[0], 0, {}, "v.pt2"), tmp_path)
     assert not list(tmp_path.rglob("*.pt2"))
 
 
 def test_an_eager_failure_with_ranges_inside_the_tables_is_left_as_it_is(tmp_path):
     from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
+    from precompile.stages.resolve import resolve_model
 
     loaded = load_profile(write_profile(tmp_path, CLASSIFIER_PROFILE))
     assert explain_eager_failure(loaded, resolve_model(loaded), {"batch": 2, "seq": 4}) is None

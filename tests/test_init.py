@@ -11,10 +11,10 @@ import yaml
 from click.testing import CliRunner
 
 import loader
+from precompile.authoring.init import InitError, init_profile, parse_examples
 from precompile.cli import main
-from precompile.init import InitError, init_profile, parse_examples
 from precompile.profile import load_profile
-from precompile.resolve import resolve_model
+from precompile.stages.resolve import resolve_model
 
 MODELS = Path(__file__).parent / "models" / "hf_tiny.py"
 

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 import loader
 from loader.traffic import TrafficFileError, TrafficRecorder, read_histogram
+from precompile.authoring.merge import MergeError, merge_traffic
 from precompile.cli import main
-from precompile.merge import MergeError, merge_traffic
-from precompile.plan import read_distribution
 from precompile.profile import load_profile
+from precompile.traffic import read_distribution
 
 from .conftest import write_profile
 

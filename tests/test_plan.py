@@ -9,8 +9,9 @@ from click.testing import CliRunner
 
 from precompile.cli import main
 from precompile.errors import ProfileError
-from precompile.plan import plan_variants, read_distribution
 from precompile.profile import load_profile
+from precompile.stages.plan import plan_variants
+from precompile.traffic import read_distribution
 
 from .conftest import write_profile
 

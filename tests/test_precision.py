@@ -22,9 +22,9 @@ import loader
 import loader.model as loader_model
 from loader.errors import ArtifactError, IncompatibleArtifactError
 from loader.manifest import parse_manifest
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
 
 MODELS = Path(__file__).parent / "models" / "lowp.py"
@@ -338,6 +338,8 @@ def test_calibration_values_must_respect_the_declared_ranges(tmp_path):
     (tmp_path / "calib.jsonl").write_text(json.dumps({"ids": [[1, 2, 99]], "mask": [[True] * 3]}) + "\n")
     path = write(tmp_path, ENCODER + "precision: [int8]\ncalibration: {file: calib.jsonl}\n")
     with pytest.raises(ProfileError, match=r"input 'ids' holds values in \[1, 99\], outside its range \[0.0, 49.0\]"):
-        from precompile.precision import calibration_inputs
+        from precompile.calibration import calibration_inputs
+        from precompile.traffic import read_distribution
 
-        calibration_inputs(load_profile(path))
+        loaded = load_profile(path)
+        calibration_inputs(loaded, read_distribution(loaded))

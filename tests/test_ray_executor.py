@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import CompileError, ModelError, PrecompileError
+from precompile.pipeline import build
 
 from .conftest import CLASSIFIER_PROFILE, write_profile
 from .ray_cluster import LocalRayCluster, free_port

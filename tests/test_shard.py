@@ -18,11 +18,10 @@ import yaml
 from click.testing import CliRunner
 
 import loader
-from precompile.build import CompileTask
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.plan import VariantPlan
 from precompile.shard import PartError, assemble, parse_shard, share
+from precompile.units import CompileTask, VariantPlan
 from tests.conftest import write_profile
 from tests.test_remote import BUCKET, s3, store_env  # noqa: F401  (fixtures: the S3 server)
 

@@ -10,13 +10,14 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import CheckError, ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
-from precompile.resolve import resolve_model
-from precompile.tune import Trial, choose, serving_shapes
-from precompile.plan import VariantPlan
+from precompile.stages.resolve import resolve_model
+from precompile.stages.tune import Trial, choose
+from precompile.traffic import serving_shapes
+from precompile.units import VariantPlan
 
 from .conftest import CLASSIFIER_PROFILE, write_profile
 

@@ -37,17 +37,18 @@ def build(
     With --shard K/N, only every N-th unit from the K-th is compiled, into a part: run the N shards on
     N machines (a CI matrix), then `precompile assemble` the parts into the artifact.
     """
-    from ..build import build as run_build
     from ..executors import executor_named
+    from ..pipeline import build as run_build
     from ..progress import RichProgress
+    from ..shard import build_part, parse_shard
 
-    share = None
-    if shard is not None:
-        from ..shard import parse_shard
-
-        share = parse_shard(shard)
-        if version != 1 or expires is not None:
-            raise click.UsageError("--artifact-version and --expires belong to the artifact: give them to `precompile assemble`")
+    share = parse_shard(shard) if shard is not None else None
+    if share is not None and (version != 1 or expires is not None):
+        raise click.UsageError("--artifact-version and --expires belong to the artifact: give them to `precompile assemble`")
     runner = executor_named(executor, address=address, cpus=ray_cpus)
-    result = run_build(profile, output, progress=RichProgress(), version=version, expires=expires, jobs=jobs, executor=runner, shard=share)
+    if share is not None:
+        part = build_part(profile, share, output, jobs=jobs, executor=runner, progress=RichProgress())
+        click.echo(str(part.path))
+        return
+    result = run_build(profile, output, progress=RichProgress(), version=version, expires=expires, jobs=jobs, executor=runner)
     click.echo(str(result.path))

@@ -19,7 +19,7 @@ def doctor(profile: Path, max_seconds: float) -> None:
     or bounds (with the source line), where it branches on tensor values, and which ops Inductor has
     no kernel for. Exit code 1 when a problem is found.
     """
-    from ..doctor import diagnose
+    from ..authoring.doctor import diagnose
     from ..progress import RichProgress
 
     report = diagnose(profile, max_seconds=max_seconds, progress=RichProgress())

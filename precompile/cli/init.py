@@ -28,7 +28,7 @@ def init(factory: str, examples: tuple[str, ...], traffic: Path | None, kwargs: 
       precompile init models:bert --example input_ids=2x16:int64 --example attention_mask=2x16:int64
       --example input_ids=4x40 --example attention_mask=4x40
     """
-    from ..init import init_profile, parse_examples, read_traffic
+    from ..authoring.init import init_profile, parse_examples, read_traffic
     from ..progress import RichProgress
 
     if bool(examples) == bool(traffic):

@@ -25,7 +25,7 @@ def merge(profile: Path, recordings: tuple[Path, ...], output: Path | None, repl
     {"dims": {...}, "count": N} a line. Counts of equal shapes are summed; comments and formatting of
     PROFILE are kept.
     """
-    from ..merge import merge_traffic
+    from ..authoring.merge import merge_traffic
 
     result = merge_traffic(profile, list(recordings), output=output, replace=replace)
     click.echo(

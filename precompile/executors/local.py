@@ -9,26 +9,24 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING, Iterator
 
 from ..errors import CompileError, PrecompileError
-from . import CompileJob, Outcome
-
-if TYPE_CHECKING:
-    from ..build import CompileTask
+from ..units import CompileTask
+from .base import CompileJob, Outcome
+from .worker import compile_in_worker, compile_unit, default_jobs, worker_died
 
 
 class LocalExecutor:
     def run(self, job: CompileJob, tasks: Iterator[CompileTask]) -> Iterator[Outcome]:
-        from ..build import _compile_in_worker, _compile_one, default_jobs, worker_died
-
         jobs = default_jobs(job.units) if job.jobs is None else max(1, min(job.jobs, job.units))
         if jobs == 1 and not job.tuning:
+            ctx = job.context
             for task in tasks:
                 try:
-                    result = _compile_one(job.loaded, job.model, task, job.staging)
+                    result = compile_unit(ctx.loaded, ctx.model, task, job.staging, calibration=lambda: ctx.calibration)
                 except PrecompileError as e:
                     yield Outcome(task, None, e)
                 else:
@@ -43,7 +41,7 @@ class LocalExecutor:
                     if task is None:
                         break
                     pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-                    running[pool.submit(_compile_in_worker, job.loaded.path, task, job.staging, threads)] = (task, pool)
+                    running[pool.submit(compile_in_worker, job.context.loaded.path, task, job.staging, threads)] = (task, pool)
                 if not running:
                     return
                 done, _ = wait(running, return_when=FIRST_COMPLETED)

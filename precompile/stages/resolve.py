@@ -1,4 +1,11 @@
-"""Stage 1, resolve: turn the profile's ``model`` section into an eval-mode nn.Module with its weights."""
+"""Stage resolve: the profile's ``model`` section as an eval-mode nn.Module with its weights, run once
+in eager at the plan's largest sample sizes to learn what its outputs look like.
+
+    resolved = resolve(loaded, sizes)       # Resolved: the model, its output structure and output dims
+
+A failure of that eager run is explained in the profile's words where it can be (a declared range
+past a table the model indexes: ``explain_eager_failure``).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,117 @@ import importlib
 import inspect
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .errors import ModelError, ProfileError
-from .profile import LoadedProfile
+from loader.constants import INTEGER_DTYPES
+from loader.manifest import OutputSpec
+
+from ..analysis.value_ranges import check_declared_ranges, index_tables
+from ..context import OutputDims
+from ..errors import DimBoundError, ExportError, ModelError, ProfileError
+from ..profile import LoadedProfile
+from ..runners import flatten, run_eager
+from ..samples import make_inputs
+from ..tracing import export_model
+
+
+@dataclass(frozen=True, eq=False)
+class Resolved:
+    model: torch.nn.Module
+    output: OutputSpec  # the structure of forward()'s result
+    output_dims: OutputDims | None  # the profile's ``outputs`` as dim names per axis, checked
+
+
+def resolve(loaded: LoadedProfile, sizes: dict[str, int]) -> Resolved:
+    """The model, run once in eager on sample inputs of ``sizes``."""
+    model = resolve_model(loaded)
+    args = make_inputs(loaded.profile, sizes, seed=loaded.profile.check.seed)
+    try:
+        eager_out = run_eager(model, args, profile=loaded.profile, sizes=sizes)
+    except ModelError as e:
+        explain_eager_failure(loaded, model, sizes, e)  # a range past a table, if that is why
+        raise
+    return Resolved(model, output_spec(eager_out), output_dims(loaded, flatten(eager_out), sizes))
+
+
+def output_spec(value: Any, where: str = "output") -> OutputSpec:
+    """The structure of an eager output, in the order torch.export flattens it."""
+    if isinstance(value, torch.Tensor):
+        return OutputSpec("tensor")
+    if isinstance(value, dict):  # also HF ModelOutput, which flattens its non-None fields in order
+        keys = tuple(value.keys())
+        if not all(isinstance(k, str) for k in keys):
+            raise ModelError(f"{where}: dict outputs need string keys, got {keys!r}")
+        return OutputSpec("dict", tuple(output_spec(value[k], f"{where}[{k!r}]") for k in keys), keys)
+    if isinstance(value, (tuple, list)):
+        kind = "list" if isinstance(value, list) else "tuple"
+        return OutputSpec(kind, tuple(output_spec(v, f"{where}[{i}]") for i, v in enumerate(value)))
+    raise ModelError(
+        f"{where} is {type(value).__name__}; forward() may return tensors and tuples, lists or dicts of tensors "
+        "(name the outputs to keep in the profile: `model: {factory: ..., outputs: [logits]}`)"
+    )
+
+
+def output_dims(loaded: LoadedProfile, outputs: list[torch.Tensor], sizes: dict[str, int]) -> OutputDims | None:
+    """The profile's ``outputs`` as per-axis dim names, checked against a real eager output."""
+    profile = loaded.profile
+    if profile.outputs is None:
+        return None
+    problems = []
+    if len(profile.outputs) != len(outputs):
+        problems.append(("outputs", f"declares {len(profile.outputs)} outputs, forward() returns {len(outputs)} tensors"))
+    rows = []
+    for i, (decl, t) in enumerate(zip(profile.outputs, outputs)):
+        if len(decl.shape) != t.dim():
+            problems.append((f"outputs[{i}].shape", f"has {len(decl.shape)} axes, the output has shape {tuple(t.shape)}"))
+            continue
+        row = []
+        for axis, (s, n) in enumerate(zip(decl.shape, t.shape)):
+            if isinstance(s, str) and s in profile.dims:
+                if sizes[s] != n:
+                    problems.append(
+                        (f"outputs[{i}].shape[{axis}]", f"says it follows {s!r} ({s}={sizes[s]}) but the output's size is {n}")
+                    )
+                row.append(s)
+            else:
+                row.append(None)
+        rows.append(tuple(row))
+    if problems:
+        raise ProfileError(str(loaded.path), problems)
+    return tuple(rows)
+
+
+def explain_eager_failure(
+    loaded: LoadedProfile, model: torch.nn.Module, sizes: dict[str, int], error: BaseException | None = None
+) -> None:
+    """Eager forward() just failed on sample inputs: if a declared range goes past a table (samples drawn
+    from it index past the end), raise that ProfileError instead, in the profile's words. Exports once
+    at ``sizes`` (static), only on this failure path; returns if that is not the cause. When the failure
+    is an IndexError (``error``, the ModelError run_eager raised), first looks for a dim whose range goes
+    past a table the model indexes by position (exporting once with the profile's ranges)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, IndexError):
+        ranges = {d: (spec.min, spec.max) for d, spec in loaded.profile.dims.items()}
+        try:
+            export_model(model, loaded.profile, ranges, sizes)
+        except DimBoundError as e:
+            at = ", ".join(f"{d}={n}" for d, n in sizes.items())
+            raise ProfileError(
+                str(loaded.path), [(place, f"{message}; the eager sample at {at} failed with IndexError: {cause}") for place, message in e.problems]
+            ) from None
+        except ExportError:
+            pass
+    if not any(spec.range is not None and spec.dtype in INTEGER_DTYPES for spec in loaded.profile.inputs.values()):
+        return
+    try:
+        ep = export_model(model, loaded.profile, {d: (n, n) for d, n in sizes.items()}, sizes)
+    except ExportError:
+        return
+    check_declared_ranges(loaded, index_tables(ep, loaded.profile))
 
 
 def resolve_model(loaded: LoadedProfile) -> torch.nn.Module:
@@ -59,7 +171,7 @@ class Adapted(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, names: list[str] | None, outputs: list[str | int] | None):
         super().__init__()
-        self.model = model  # precompile.infer.WRAPPED names this attribute
+        self.model = model  # precompile.analysis.shapes.WRAPPED names this attribute
         self.names = names
         self.outputs = outputs
 

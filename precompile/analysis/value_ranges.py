@@ -20,18 +20,11 @@ from torch.export import ExportedProgram
 from loader.constants import INTEGER_DTYPES
 from loader.manifest import DimRange, InputSpec
 
-from .errors import ProfileError
-from .profile import LoadedProfile, Profile, pad_value_problems
+from ..errors import ProfileError
+from ..profile import LoadedProfile, Profile, pad_value_problems
+from .shapes import KEEP_VALUES
 
 aten = torch.ops.aten
-
-# Ops whose output holds the same values as their first argument (possibly fewer, rearranged or converted).
-KEEP_VALUES = {
-    aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze, aten.squeeze, aten.flatten, aten.unflatten,
-    aten.expand, aten.permute, aten.transpose, aten.t, aten.contiguous, aten.clone, aten.alias, aten.detach,
-    aten.slice, aten.select, aten.narrow, aten.repeat, aten.to, aten._to_copy, aten.lift_fresh_copy,
-}
-
 
 @dataclass(frozen=True)
 class IndexTable:
@@ -115,38 +108,6 @@ def check_declared_ranges(loaded: LoadedProfile, tables: dict[str, IndexTable]) 
     problems = range_problems(loaded.profile, tables)
     if problems:
         raise ProfileError(str(loaded.path), problems)
-
-
-def explain_eager_failure(
-    loaded: LoadedProfile, model: torch.nn.Module, sizes: dict[str, int], error: BaseException | None = None
-) -> None:
-    """Eager forward() just failed on sample inputs: if a declared range goes past a table (samples drawn
-    from it index past the end), raise that ProfileError instead, in the profile's words. Exports once
-    at ``sizes`` (static), only on this failure path; returns if that is not the cause. When the failure
-    is an IndexError (``error``, the ModelError run_eager raised), first looks for a dim whose range goes
-    past a table the model indexes by position (exporting once with the profile's ranges)."""
-    from .errors import DimBoundError, ExportError
-    from .export import export_model
-
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, IndexError):
-        ranges = {d: (spec.min, spec.max) for d, spec in loaded.profile.dims.items()}
-        try:
-            export_model(model, loaded.profile, ranges, sizes)
-        except DimBoundError as e:
-            at = ", ".join(f"{d}={n}" for d, n in sizes.items())
-            raise ProfileError(
-                str(loaded.path), [(place, f"{message}; the eager sample at {at} failed with IndexError: {cause}") for place, message in e.problems]
-            ) from None
-        except ExportError:
-            pass
-    if not any(spec.range is not None and spec.dtype in INTEGER_DTYPES for spec in loaded.profile.inputs.values()):
-        return
-    try:
-        ep = export_model(model, loaded.profile, {d: (n, n) for d, n in sizes.items()}, sizes)
-    except ExportError:
-        return
-    check_declared_ranges(loaded, index_tables(ep, loaded.profile))
 
 
 def with_value_ranges(

@@ -23,15 +23,25 @@ from typing import Any
 import torch
 import torch.fx.experimental._config as _shape_config
 
-from .check import run_eager, sample_sizes
-from .errors import ModelError
-from .export import _takes_varargs, explain_export_failure, export_hints
-from .infer import Guard, TorchLog, axis_of, capture_torch_logs, dim_bound_problems, fallback_ops, input_axes, symbol_ranges, user_line
-from .profile import LoadedProfile, load_profile
-from .plan import make_plan
-from .progress import Progress
-from .resolve import resolve_model
-from .samples import make_inputs
+from ..analysis.shapes import (
+    TorchLog,
+    axis_of,
+    capture_torch_logs,
+    dim_bound_problems,
+    dim_symbols,
+    fallback_ops,
+    input_axes,
+    symbol_ranges,
+    user_line,
+)
+from ..errors import ModelError
+from ..profile import LoadedProfile, load_profile
+from ..progress import Progress
+from ..runners import run_eager, sample_sizes
+from ..samples import make_inputs
+from ..stages.plan import make_plan
+from ..stages.resolve import resolve_model
+from ..tracing import explain_export_failure, export_hints, takes_varargs
 
 
 @dataclass
@@ -190,7 +200,7 @@ def _draft_export(loaded: LoadedProfile, model, ranges, hint, max_seconds: float
         {a: dims[s] for a, s in enumerate(spec.shape) if isinstance(s, str) and s in dims} or None
         for spec in profile.inputs.values()
     )
-    dynamic_shapes = (specs,) if _takes_varargs(model) else specs
+    dynamic_shapes = (specs,) if takes_varargs(model) else specs
     args = make_inputs(profile, hint, seed=profile.check.seed)
     exporter = getattr(torch.export, "draft_export", None)
     result: dict[str, Any] = {}
@@ -297,8 +307,6 @@ def _declared_axes(loaded: LoadedProfile) -> dict[tuple[str, int], str]:
 
 
 def _dims_of(loaded: LoadedProfile, ep) -> dict[Any, str]:
-    from .infer import dim_symbols
-
     return dim_symbols(ep, [list(spec.shape) for spec in loaded.profile.inputs.values()])
 
 

@@ -1,4 +1,4 @@
-"""Check the profile's ``batching:`` section against eager, before anything compiles.
+"""Stage batching: check the profile's ``batching:`` section against eager, before anything compiles.
 
 The section claims that concurrent calls may run as one batch: concatenated along the batch dim,
 each padded dim grown to the batch's largest size with the inputs' pad values, and every output
@@ -22,10 +22,11 @@ import torch
 from loader.batch import grow
 from loader.manifest import Batching
 
-from .check import flatten, run_eager
-from .errors import ProfileError
-from .profile import BatchingSpec, LoadedProfile, Profile, batching_pad_values
-from .samples import make_inputs
+from ..compare import compare_tensors
+from ..errors import ProfileError
+from ..profile import BatchingSpec, LoadedProfile, Profile, batching_pad_values
+from ..runners import flatten, run_eager
+from ..samples import make_inputs
 
 CALLS_PER_BATCH = 3  # at most; fewer when the batch dim's range cannot hold them
 
@@ -57,7 +58,7 @@ def check_batching(loaded: LoadedProfile, model: torch.nn.Module) -> Batching | 
         together = flatten(run_eager(model, batch_inputs(profile, spec, calls, sample.calls, pad_values)))
         for k, (sizes, want) in enumerate(zip(sample.calls, alone)):
             got = cut_back(spec, together, output_axes, sample.calls, k)
-            worst = max(worst, _compare(loaded, spec, sample, sizes, want, got, pad_values))
+            worst = max(worst, _compare_call(loaded, spec, sample, sizes, want, got, pad_values))
             checked += 1
     return Batching(
         dim=spec.dim,
@@ -132,7 +133,7 @@ def cut_back(spec: BatchingSpec, outputs: list[torch.Tensor], output_axes: list,
     return out
 
 
-def _compare(
+def _compare_call(
     loaded: LoadedProfile,
     spec: BatchingSpec,
     sample: Sample,
@@ -155,18 +156,11 @@ def _compare(
                   f"{' or '.join(repr(d) for d in (spec.dim, *spec.pad))}")],
             )
         atol, rtol = profile.tolerance(str(w.dtype).removeprefix("torch."))
-        if w.is_floating_point():
-            err = (w.double() - g.double()).abs()
-            err = torch.where(torch.isnan(w) & torch.isnan(g), torch.zeros_like(err), err)
-            bad = bool((~(err <= atol + rtol * w.double().abs())).any())
-            error = float(err.max()) if err.numel() else 0.0
-        else:
-            bad = bool((w != g).any())
-            error = float((w != g).sum())
-        if bad:
-            refusal = _refusal(spec, sample, sizes, i, declared, error, (atol, rtol), pad_values)
+        c = compare_tensors(w, g, atol=atol, rtol=rtol)
+        if not c.passed:
+            refusal = _refusal(spec, sample, sizes, i, declared, c.max_abs_error, (atol, rtol), pad_values)
             raise ProfileError(str(loaded.path), [(sample.what, refusal)])
-        worst = max(worst, error)
+        worst = max(worst, c.max_abs_error)
     return worst
 
 

@@ -2,7 +2,7 @@
 
 Axes whose size differs between the example calls are dynamic. torch.export (``Dim.AUTO``) then says
 which of them the model keeps dynamic, which it fixes, which are one dim (shared between inputs) and
-what it bounds; ``precompile.infer`` adds the tables that bound a dim by position. The profile is
+what it bounds; ``precompile.analysis.shapes`` adds the tables that bound a dim by position. The profile is
 written with a comment per decision, so a reader sees why each range is what it is.
 
     calls = parse_examples(["input_ids=2x16:int64", "input_ids=4x40"])   # two calls: the name repeats
@@ -25,14 +25,18 @@ from typing import Any
 import sympy
 import torch
 import torch.fx.experimental._config as _shape_config
+from torch.export import Dim as ExportDim  # the profile's dims are this module's Dim
 
 from loader.constants import DTYPES, INTEGER_DTYPES
 from loader.guards import TORCH_DTYPES
 
-from .errors import ExportError, ModelError, PrecompileError, ProfileError
-from .infer import capture_torch_logs, input_axes, output_axes, symbol_ranges, table_bounds
-from .profile import LoadedProfile, Profile
-from .progress import Progress
+from ..analysis.shapes import capture_torch_logs, input_axes, output_axes, symbol_ranges, table_bounds
+from ..analysis.value_ranges import index_tables
+from ..errors import ExportError, ModelError, PrecompileError, ProfileError
+from ..profile import LoadedProfile, Profile
+from ..progress import Progress
+from ..stages.resolve import adapt, resolve_model
+from ..tracing import explain_export_failure, takes_varargs
 
 
 class InitError(PrecompileError):
@@ -157,8 +161,6 @@ def init_profile(
 ) -> InitResult:
     """A profile for ``factory`` (``module:callable``, imported as ``build`` will: the profile's folder
     first on sys.path) serving calls like ``calls``. Raises InitError / ModelError / ExportError."""
-    from .resolve import adapt, resolve_model
-
     progress = progress or Progress()
     if not calls:
         raise InitError("give at least one --example call (two or more with different sizes make dims dynamic)")
@@ -315,12 +317,8 @@ def _export_example(calls: list[Call], names: list[str], varying: set) -> Call:
 
 
 def _export(model: torch.nn.Module, args: tuple, names: list[str], varying: set):
-    from torch.export import Dim
-
-    from .export import _takes_varargs, explain_export_failure
-
-    specs = tuple({a: Dim.AUTO for n2, a in sorted(varying) if n2 == n} or None for n in names)
-    dynamic_shapes = (specs,) if _takes_varargs(model) else specs
+    specs = tuple({a: ExportDim.AUTO for n2, a in sorted(varying) if n2 == n} or None for n in names)
+    dynamic_shapes = (specs,) if takes_varargs(model) else specs
     try:
         # No duck sizing: axes of equal example sizes (a square image) keep their own symbols.
         with warnings.catch_warnings(), _shape_config.patch(use_duck_shape=False), capture_torch_logs(guards=True) as log:
@@ -362,7 +360,7 @@ def _dims(calls: list[Call], names: list[str], varying: set, axes: dict, ep, log
         elif name == "batch":
             lo, why_min = 1, "the model sets no lower bound"
         else:  # below the sizes shown, a model may take another path (a pooling that empties): not claimed
-            lo, why_min = min(observed), f"the smallest example; smaller sizes may work (`precompile doctor` checks)"
+            lo, why_min = min(observed), "the smallest example; smaller sizes may work (`precompile doctor` checks)"
         hi_proven = min(his, default=(None, None))[0]
         if table is not None and (hi_proven is None or table.max <= hi_proven):
             hi, why_max = table.max, f"the model's limit: {table.reason(name)}"
@@ -420,8 +418,6 @@ def _axis_name(dims: dict[str, Dim], n: str, a: int, expr: Any, size: int) -> st
 
 
 def _index_ranges(ep, draft: LoadedProfile) -> dict[str, tuple[int, int]]:
-    from .values import index_tables
-
     return {n: (0, t.rows - 1) for n, t in index_tables(ep, draft.profile).items()}
 
 

@@ -1,4 +1,4 @@
-"""The planner: from a profile and its observed traffic to the variants worth compiling.
+"""Stage plan: from a profile and its observed traffic to the variants worth compiling.
 
 A pure, deterministic function. Static variants go to the hottest exact shapes, until
 ``plan.max_specialized`` of them or until they serve ``plan.coverage`` of the traffic; dynamic variants
@@ -10,116 +10,12 @@ variant takes, so Inductor's size hints fit the traffic it will really serve. Sh
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Any
 
 from loader.policy import split_sizes
-from loader.traffic import TrafficFileError, read_histogram
 
-from .errors import ProfileError
-from .profile import LoadedProfile, Profile
-
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class VariantPlan:
-    id: str
-    kind: str  # "static" | "dynamic"
-    ranges: dict[str, tuple[int, int]]
-    hint: dict[str, int]
-    share: float = 0.0  # share of observed traffic this variant will serve
-    count: int = 0  # calls of observed traffic it will serve
-    device: str = "cpu"
-    dtype: str | None = None  # compute dtype (CUDA variants); None: the model's own
-    precision: str = "fp32"  # fp32 | bf16 | int8 (precompile.precision)
-
-    def describe(self) -> str:
-        return " ".join(f"{d}={lo}" if lo == hi else f"{d}∈[{lo},{hi}]" for d, (lo, hi) in self.ranges.items())
-
-
-@dataclass(frozen=True)
-class Plan:
-    dims: tuple[str, ...]
-    variants: tuple[VariantPlan, ...]
-    total: int  # calls in the distribution
-    static_count: int
-    dynamic_count: int
-    by_policy: dict[str, int]  # out-of-range calls the loader will pad or split, per policy
-    rejected_count: int  # out-of-range calls the loader will refuse (policy error)
-    out_of_range: tuple[tuple[dict[str, int], int], ...] = field(default=())  # (dims, count), hottest first
-
-    def share(self, count: int) -> float:
-        return count / self.total if self.total else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "variants": [
-                {
-                    "id": v.id,
-                    "kind": v.kind,
-                    "ranges": {d: list(r) for d, r in v.ranges.items()},
-                    "hint": v.hint,
-                    "count": v.count,
-                    "share": round(v.share, 6),
-                }
-                for v in self.variants
-            ],
-            "traffic": {
-                "total": self.total,
-                "static": {"count": self.static_count, "share": round(self.share(self.static_count), 6)},
-                "dynamic": {"count": self.dynamic_count, "share": round(self.share(self.dynamic_count), 6)},
-                "out_of_range_by_policy": {
-                    p: {"count": c, "share": round(self.share(c), 6)} for p, c in sorted(self.by_policy.items())
-                },
-                "rejected": {"count": self.rejected_count, "share": round(self.share(self.rejected_count), 6)},
-            },
-            "out_of_range": [{"dims": d, "count": c} for d, c in self.out_of_range],
-        }
-
-
-def read_distribution(loaded: LoadedProfile) -> dict[Shape, int]:
-    """Merge ``distribution.shapes`` and ``distribution.file`` into counts per shape (dims in profile order)."""
-    profile = loaded.profile
-    dims = tuple(profile.dims)
-    source = str(loaded.path)
-    counts: dict[Shape, int] = {}
-    problems: list[tuple[str, str]] = []
-
-    def add(entry: dict[str, Any], count: Any, place: str) -> None:
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            problems.append((place, f"count must be a non-negative integer, got {count!r}"))
-            return
-        if set(entry) != set(dims):
-            missing, extra = sorted(set(dims) - set(entry)), sorted(set(entry) - set(dims))
-            what = "; ".join(x for x in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if x)
-            problems.append((place, f"needs a size for exactly the dims {list(dims)} ({what})"))
-            return
-        if not all(isinstance(entry[d], int) and not isinstance(entry[d], bool) and entry[d] >= 0 for d in dims):
-            problems.append((place, f"sizes must be non-negative integers, got {entry}"))
-            return
-        key = tuple(entry[d] for d in dims)
-        counts[key] = counts.get(key, 0) + count
-
-    for i, item in enumerate(profile.distribution.shapes):
-        entry = dict(item)
-        add({k: v for k, v in entry.items() if k != "count"}, entry.get("count", 1), f"distribution.shapes[{i}]")
-    if profile.distribution.file is not None and not problems:
-        path = loaded.folder / profile.distribution.file
-
-        def same_dims(sizes: dict[str, int], where: str) -> None:
-            if set(sizes) != set(dims):
-                raise TrafficFileError(f"{where}: dims {sorted(sizes)} are not the profile's {sorted(dims)}")
-
-        try:
-            recorded = read_histogram(path, check=same_dims)
-        except TrafficFileError as e:
-            raise ProfileError(source, [("distribution.file", str(e))]) from None
-        for key, count in recorded.items():
-            add(dict(key), count, f"distribution.file: {path.name}")
-    if problems:
-        raise ProfileError(source, problems[:20] + ([("", f"... and {len(problems) - 20} more")] if len(problems) > 20 else []))
-    return counts
+from ..profile import LoadedProfile, Profile
+from ..traffic import Shape, read_distribution
+from ..units import Plan, VariantPlan
 
 
 def sub_ranges(profile: Profile) -> dict[str, list[tuple[int, int]]]:
@@ -223,9 +119,9 @@ def _policy_serves(profile: Profile, sizes: dict[str, int]) -> bool:
     return True
 
 
-def make_plan(loaded: LoadedProfile) -> Plan:
-    """The plan for a loaded profile and the traffic it names."""
-    return plan_variants(loaded.profile, read_distribution(loaded))
+def make_plan(loaded: LoadedProfile, traffic: dict[Shape, int] | None = None) -> Plan:
+    """The plan for a loaded profile and the traffic it names (``traffic``: already read)."""
+    return plan_variants(loaded.profile, read_distribution(loaded) if traffic is None else traffic)
 
 
 def format_plan(plan: Plan, profile_name: str) -> str:

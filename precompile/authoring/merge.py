@@ -14,15 +14,15 @@ import io
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from loader.fs import write_atomic
 from loader.traffic import Histogram, read_histogram
 
-from .errors import PrecompileError, ProfileError
-from .profile import load_profile
+from ..errors import PrecompileError, ProfileError
+from ..profile import load_profile
 
 
 class MergeError(PrecompileError):

@@ -1,4 +1,4 @@
-"""Stage 2, export: torch.export with one ``Dim`` per profile dim, shared by every input that uses it.
+"""torch.export with one ``Dim`` per profile dim, shared by every input that uses it.
 
 Failures are translated into the profile's words: which dim, what torch said, what to change.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch.export import Dim, ExportedProgram
 
+from .analysis.shapes import TorchLog, capture_torch_logs, dim_bound_problems
 from .errors import DimBoundError, ExportError
-from .infer import TorchLog, capture_torch_logs, dim_bound_problems
 from .profile import Profile
 from .samples import make_inputs, to_device
 
@@ -57,7 +57,7 @@ def export_model(
         {axis: dims[s] for axis, s in enumerate(spec.shape) if isinstance(s, str) and s in dims} or None
         for spec in profile.inputs.values()
     )
-    if _takes_varargs(model):  # a wrapper's forward(*args): torch.export wants the specs as that one argument
+    if takes_varargs(model):  # a wrapper's forward(*args): torch.export wants the specs as that one argument
         dynamic_shapes = (dynamic_shapes,)
     args = to_device(make_inputs(profile, hint, seed=profile.check.seed), device, dtype)
     try:
@@ -72,7 +72,8 @@ def export_model(
     return ep
 
 
-def _takes_varargs(model: torch.nn.Module) -> bool:
+def takes_varargs(model: torch.nn.Module) -> bool:
+    """Whether ``forward`` takes only ``*args`` (a wrapper's), so dynamic shapes go in as one argument."""
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):

@@ -15,19 +15,25 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import sympy
 import torch
 from torch.export import ExportedProgram
 
-from .values import KEEP_VALUES
-
 aten = torch.ops.aten
 
-# The wrapper precompile.resolve puts around a model keeps it under this attribute.
+# Ops whose output holds the same values as their first argument (possibly fewer, rearranged or converted).
+KEEP_VALUES = {
+    aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze, aten.squeeze, aten.flatten, aten.unflatten,
+    aten.expand, aten.permute, aten.transpose, aten.t, aten.contiguous, aten.clone, aten.alias, aten.detach,
+    aten.slice, aten.select, aten.narrow, aten.repeat, aten.to, aten._to_copy, aten.lift_fresh_copy,
+}
+
+# The wrapper precompile.stages.resolve puts around a model keeps it under this attribute.
 WRAPPED = "model."
 
 

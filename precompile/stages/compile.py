@@ -1,4 +1,4 @@
-"""Stage 3, compile: AOTInductor turns an exported program into a package with weights kept out.
+"""Stage compile: AOTInductor turns an exported program into a package with weights kept out.
 
 Inductor is asked to write the constants beside the code (``pickle_weights``) rather than inside the
 shared library; they are then taken out of the package, so that the artifact stores them once in
@@ -12,7 +12,6 @@ import io
 import json
 import warnings
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,30 +20,9 @@ from torch.export import ExportedProgram
 
 from loader.model import open_package
 
-from .errors import CompileError
-
-MANAGED_OPTIONS = {
-    "aot_inductor.package_constants_in_so": False,
-    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
-}
-
-
-@dataclass
-class CompiledPackage:
-    path: Path  # an AOTInductor .pt2, without weights unless ``embedded``
-    constants: dict[str, torch.Tensor]  # name -> contiguous tensor the compiled code expects
-    metadata: dict[str, str]  # AOTInductor's own metadata (AOTI_CPU_ISA, AOTI_DEVICE_KEY, ...)
-    embedded: bool = False  # the constants stay inside the package (see ``embeds_constants``)
-
-
-def embeds_constants(options: dict[str, Any], device: str) -> bool:
-    """Whether a variant compiled with ``options`` must keep its constants inside its package.
-
-    On CPU, freezing with weight prepacking (Inductor's default once freezing is on) hands oneDNN
-    weights pre-packed into opaque tensors: they have no storage that safetensors could hold, and the
-    runner cannot take them back through load_constants. Such a variant carries its own weights.
-    """
-    return device == "cpu" and bool(options.get("freezing")) and options.get("cpp.weight_prepack", True) is not False
+from ..errors import CompileError
+from ..options import WEIGHTS_OUT, embeds_constants
+from ..units import CompiledPackage
 
 
 def compile_package(
@@ -57,7 +35,7 @@ def compile_package(
     import torch._inductor  # build side only
 
     embedded = embeds_constants(options, device)
-    configs = {**options} if embedded else {**options, **MANAGED_OPTIONS}
+    configs = {**options} if embedded else {**options, **WEIGHTS_OUT}
     if device == "cuda" and multi_arch:
         configs["aot_inductor.emit_multi_arch_kernel"] = True
     raw = out.with_suffix(".full.pt2")
