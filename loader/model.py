@@ -321,6 +321,7 @@ def load(
     copy_inputs: bool = False,
     threads: int | None = None,
     precision: str = "auto",
+    max_bytes: int | None = None,
 ) -> CompiledModel:
     """Load an artifact built by ``precompile build``, from its folder or a pack (``precompile pack``),
     and return a callable model.
@@ -343,6 +344,8 @@ def load(
       this CPU has the features they need, fp32 elsewhere; ``"fp32"`` only fp32; ``"bf16"``/``"int8"``
       that precision first (IncompatibleArtifactError when the artifact or this CPU has none). The
       model's ``precision`` says what it serves; ``stats()`` and the variant ids (``int8-v0``) too.
+    - ``max_bytes`` (a URL): refuse to download an object larger than this (the size the store's
+      ``index.json`` records bounds it too).
 
     Raises ArtifactError for a missing, unreadable or corrupt artifact, IncompatibleArtifactError when
     it was built for another host, and UntrustedArtifactError when it fails the trust policy; all of
@@ -364,6 +367,7 @@ def load(
         refuse_rollback=refuse_rollback,
         cache_dir=cache_dir,
         state_dir=state_dir,
+        max_bytes=max_bytes,
     )
     with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
         root, manifest, device = opened.root, opened.manifest, opened.device

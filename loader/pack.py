@@ -60,6 +60,10 @@ _REFUSED_TYPES = {
 }
 
 
+class PackEndsEarly(ArtifactError):
+    """The bytes end inside what was being read: a truncated pack, or one still arriving."""
+
+
 @dataclass(frozen=True)
 class PackHead:
     """What a pack's first members say: enough to find its cache entry and to check trust."""
@@ -118,6 +122,26 @@ def _padding(size: int) -> int:
 def member_bytes(size: int) -> int:
     """How many tar bytes a member of ``size`` data bytes takes: header, data, zero padding."""
     return C.TAR_BLOCK + size + _padding(size)
+
+
+# The compressed bytes a pack's head can span: the largest manifest and signature stored raw, plus a
+# margin for zstandard's block headers, the decoder's read-ahead and the first block of the next frame
+# (which holds the header of the member after the signature).
+MAX_HEAD_BYTES = member_bytes(C.MAX_MANIFEST_BYTES) + member_bytes(C.MAX_SIGNATURE_BYTES) + (1 << 20)
+
+
+def max_pack_bytes(head: PackHead) -> int:
+    """The most bytes a pack with this head can take: every member stored raw, plus zstandard's
+    worst-case growth (``ZSTD_compressBound``) over at most ``MAX_FRAMES`` frames. A larger object
+    has bytes appended, and can be refused as soon as its head is read."""
+    content = (
+        member_bytes(len(head.manifest_bytes))
+        + (member_bytes(len(head.signature)) if head.signature is not None else 0)
+        + sum(member_bytes(e.size) for e in head.manifest.files.values())
+        + 2 * C.TAR_BLOCK
+        + C.MAX_TAR_TRAILER
+    )
+    return content + content // 255 + MAX_FRAMES * (64 + ZSTD_MAX_FRAME_HEADER + 4)
 
 
 def write_pack(root: str | os.PathLike, out: BinaryIO, *, level: int = 3, threads: int = 0, signature: bytes | None = None) -> Manifest:
@@ -208,6 +232,22 @@ def read_head(path: str | os.PathLike) -> PackHead:
     path = Path(path)
     with _open(path) as f:
         return _TarReader(path, f, frames=None).head()
+
+
+def read_partial_head(path: str | os.PathLike) -> PackHead | None:
+    """The head of a pack of which ``path`` holds the first bytes only (a download under way): None
+    while they end inside the head, ArtifactError as soon as they show it is not a pack's head.
+
+    The manifest and signature come first in a pack, so a download can be judged on them (trust,
+    expiry, host) before the rest arrives."""
+    path = Path(path)
+    if path.stat().st_size < len(C.ZSTD_MAGIC):
+        return None
+    with _open(path) as f:
+        try:
+            return _TarReader(path, f, frames=None).head()
+        except PackEndsEarly:
+            return None
 
 
 def verify_pack(path: str | os.PathLike) -> PackHead:
@@ -381,7 +421,7 @@ class _TarReader:
             except self._zstd_error as e:
                 raise ArtifactError(f"{self.path}: corrupt compressed data in {what} ({e})") from None
             if not chunk:
-                raise ArtifactError(f"{self.path}: the pack ends early, in {what} (truncated copy?)")
+                raise PackEndsEarly(f"{self.path}: the pack ends early, in {what} (truncated copy?)")
             parts.append(chunk)
             got += len(chunk)
         self.offset += n

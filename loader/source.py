@@ -81,16 +81,26 @@ def open_artifact(
     refuse_rollback: bool = False,
     cache_dir: str | os.PathLike | None = None,
     state_dir: str | os.PathLike | None = None,
+    max_bytes: int | None = None,
 ) -> Opened:
     """See ``loader.load``; returns the folder to open and what was checked. A URL goes through
-    ``loader.remote``, which comes back here with the downloaded pack or its cache entry's head."""
+    ``loader.remote``, which judges the pack's head as soon as it arrives (``admit``: the same checks
+    as below, but the rollback ledger's) and comes back here with the downloaded pack or its cache
+    entry's head."""
     if trusted_keys is not None and not verify:
         raise LoaderError("verify=False skips the sha256 checks a signature relies on; drop it or trusted_keys")
+    keys = public_keys(trusted_keys) if trusted_keys is not None else None
     if remote.is_url(path):
         options = dict(device=device, verify=verify, trusted_keys=trusted_keys, min_version=min_version)
         options.update(refuse_rollback=refuse_rollback, cache_dir=cache_dir, state_dir=state_dir)
-        return remote.open_url(str(path), lambda local: open_artifact(local, **options), cache_dir=cache_dir)
-    keys = public_keys(trusted_keys) if trusted_keys is not None else None
+
+        def admit(head: PackHead) -> None:
+            _admit(head.manifest, head.manifest_bytes, head.signature, keys, min_version, str(head.path))
+            check_compatible(head.manifest, device or head.manifest.target.device)
+
+        return remote.open_url(
+            str(path), lambda local: open_artifact(local, **options), admit=admit, max_bytes=max_bytes, cache_dir=cache_dir
+        )
     head = path if isinstance(path, PackHead) else None  # a remote pack's cache entry (loader.remote)
     path = head.path if head is not None else Path(path)
     if head is None and path.is_file():
@@ -103,10 +113,7 @@ def open_artifact(
         digest = manifest_digest(manifest_bytes)
     source = str(path)
     device = device or manifest.target.device
-    signed_by = check_signature(manifest_bytes, signature, keys, source).key_id if keys is not None else None
-    check_expiry(manifest, source)
-    if min_version is not None:
-        check_min_version(manifest, min_version, source)
+    signed_by = _admit(manifest, manifest_bytes, signature, keys, min_version, source)
     hold = VersionLedger(state_dir).hold(manifest, digest, source) if refuse_rollback else None
     try:
         check_compatible(manifest, device)
@@ -123,3 +130,15 @@ def open_artifact(
             hold.release()
         raise
     return Opened(root, manifest, device, digest, head is not None, unpacked, signed_by, weights, hold)
+
+
+def _admit(
+    manifest: Manifest, manifest_bytes: bytes, signature: bytes | None, keys: list | None, min_version: int | None, source: str
+) -> str | None:
+    """The refusals the manifest and signature decide alone: signature (returns the key id when
+    ``keys`` are given), expiry, minimum version."""
+    signed_by = check_signature(manifest_bytes, signature, keys, source).key_id if keys is not None else None
+    check_expiry(manifest, source)
+    if min_version is not None:
+        check_min_version(manifest, min_version, source)
+    return signed_by

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import loader
 from loader import ArtifactError
 from loader import constants as C
-from loader.pack import read_head, unpack, verify_pack, walk_frames
+from loader.pack import read_head, read_partial_head, unpack, verify_pack, walk_frames
 from precompile.cli import main
 from precompile.errors import PrecompileError
 from precompile.ship import pack
@@ -137,3 +137,26 @@ def test_zstandard_and_cryptography_load_only_when_needed(classifier_artifact, c
     )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"folder": [], "pack": ["zstandard"]}
+
+
+def test_a_partial_head_is_none_until_the_manifest_and_signature_have_arrived(classifier_pack, tmp_path):
+    data = classifier_pack.read_bytes()
+    whole = read_head(classifier_pack)
+    first = walk_frames(open(classifier_pack, "rb"), classifier_pack)[0].size  # the head's own frame
+    partial = tmp_path / "partial.tar.zst"
+    seen = []
+    for cut in (0, 3, 100, first // 2, first - 1, first + (1 << 17) + 32, len(data)):  # + the next frame's first block
+        partial.write_bytes(data[:cut])
+        head = read_partial_head(partial)
+        seen.append(head is not None and (head.manifest_bytes, head.signature, head.digest) == (whole.manifest_bytes, whole.signature, whole.digest))
+    assert seen == [False] * 5 + [True, True]
+
+
+def test_a_partial_head_refuses_bytes_that_are_no_pack_at_once(tmp_path):
+    junk = tmp_path / "junk.tar.zst"
+    junk.write_bytes(os.urandom(1 << 16))
+    with pytest.raises(ArtifactError, match="not a pack"):
+        read_partial_head(junk)
+    junk.write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(b"not a tar header" * 64) + os.urandom(1 << 16))
+    with pytest.raises(ArtifactError, match="header checksum does not match"):
+        read_partial_head(junk)

@@ -161,7 +161,7 @@ def test_push_refuses_other_content_for_a_published_version(s3, classifier_artif
 def test_ls_and_pull(s3, classifier_pack, tmp_path):
     pushed = push(classifier_pack, STORE)
     listed = ls(STORE)
-    assert list(listed) == [pushed.name] and list(listed[pushed.name]["versions"]) == [str(pushed.version)]
+    assert list(listed) == [pushed.name] and listed[pushed.name].versions == [pushed.version]
     assert ls(f"{STORE}/{pushed.name}") == listed
 
     path, version = pull(f"{STORE}/{pushed.name}", output=tmp_path / "pulled.tar.zst")
@@ -266,7 +266,7 @@ def test_the_index_names_the_signing_key(s3, classifier_pack, signing_keys, tmp_
     signed = shutil.copy(classifier_pack, tmp_path / "signed.tar.zst")
     key = sign(signed, signing_keys[0])
     pushed = push(signed, f"{STORE}-signed")
-    assert ls(f"{STORE}-signed")[pushed.name]["versions"][str(pushed.version)]["signed_by"] == [key]
+    assert ls(f"{STORE}-signed")[pushed.name].get(pushed.version).signed_by == (key,)
     assert loader.load(pushed.url, trusted_keys=[signing_keys[1]]).manifest.version == pushed.version
 
 

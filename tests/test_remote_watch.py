@@ -73,10 +73,12 @@ def test_watch_follows_the_pointer_while_serving(published, downloads):
         live.watch(interval=0.05)
         assert wait_for(lambda: live.serving.version == 1 and len(downloads) == 1, timeout=2)  # looks download nothing
         promote(MODEL, 2)  # the deploy: one small write
-        assert wait_for(lambda: live.serving.version == 2)
+        # last_attempt is recorded once the old version has drained, a moment after the swap itself
+        assert wait_for(lambda: live.serving.version == 2 and live.last_attempt.version == 2)
         assert live.last_attempt.ok and live.last_attempt.path == published[1]
         stop.wait(0.5)  # more looks at an unchanged pointer: nothing loaded again
-        assert downloads == [published[0], published[1]]
+        # promote read version 2's head (one small read) before deploying; the server downloaded it once
+        assert downloads == [published[0], published[1], published[1]]
     finally:
         stop.set()
         caller.join()

@@ -18,6 +18,6 @@ def ls_cmd(url: str) -> None:
         click.echo(f"{url}: nothing published")
     for name, index in sorted(found.items()):
         click.echo(name)
-        for version, entry in sorted(index["versions"].items(), key=lambda kv: int(kv[0])):
-            signed = ", signed by " + ", ".join(k[:16] for k in entry.get("signed_by") or []) if entry.get("signed_by") else ""
-            click.echo(f"  v{version:<5} {_size(entry.get('size', 0)):>10}  {str(entry.get('digest', ''))[:16]}{signed}")
+        for entry in index.entries:
+            signed = ", signed by " + ", ".join(k[:16] for k in entry.signed_by) if entry.signed_by else ""
+            click.echo(f"  v{entry.version:<5} {_size(entry.size):>10}  {entry.digest[:16]}{signed}")
