@@ -175,8 +175,8 @@ def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[
     from tests.test_remote import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
 
     from loader import remote
-    from precompile.remote import pull, push
-    from precompile.ship import pack
+    from precompile.ship.remote import pull, push
+    from precompile.ship.pack import pack
 
     folder = work / "heavy"
     folder.mkdir()

@@ -22,9 +22,9 @@ from .runners import flatten
 
 @dataclass(frozen=True)
 class TensorComparison:
-    """One output against its reference: the largest error (floating outputs: max |want - got|, NaN
-    where both are NaN counting as equal; other dtypes: how many elements differ), the tolerance it
-    was judged by, and the first index beyond it (None: within tolerance everywhere)."""
+    """One output against its reference: the largest error (floating outputs: max |want - got|, a NaN
+    or an infinity where both hold it counting as equal; other dtypes: how many elements differ), the
+    tolerance it was judged by, and the first index beyond it (None: within tolerance everywhere)."""
 
     max_abs_error: float
     atol: float
@@ -39,9 +39,10 @@ class TensorComparison:
 def compare_tensors(want: torch.Tensor, got: torch.Tensor, *, atol: float, rtol: float) -> TensorComparison:
     """``got`` against ``want`` (same shape, on the CPU) within ``atol + rtol * |want|``."""
     if want.is_floating_point():
-        both_nan = torch.isnan(want) & torch.isnan(got)
-        err = torch.where(both_nan, 0.0, (want.double() - got.double()).abs())
-        bad = ~(err <= atol + rtol * want.double().abs()) & ~both_nan
+        same = (want == got) | (torch.isnan(want) & torch.isnan(got))  # NaN and infinities where both have them
+        err = torch.where(same, 0.0, (want.double() - got.double()).abs())
+        infinite = ~torch.isfinite(want) | ~torch.isfinite(got)  # an infinity only matches itself
+        bad = (~(err <= atol + rtol * want.double().abs()) | infinite) & ~same
         worst = float(err.max()) if err.numel() else 0.0
     else:
         bad = want != got

@@ -24,7 +24,7 @@ import loader.pack
 from loader import ArtifactError, parse_manifest
 from loader import constants as C
 from loader.pack import tar_header, unpack
-from precompile.ship import sign
+from precompile.ship.sign import sign
 
 BLOCK = C.TAR_BLOCK
 END = bytes(2 * BLOCK)

@@ -19,7 +19,7 @@ import pytest
 
 import loader
 from loader.pack import read_head
-from precompile.ship import pack
+from precompile.ship.pack import pack
 
 SERVE_THEN_CHANGE = textwrap.dedent(
     """

@@ -20,7 +20,8 @@ import loader
 from loader.errors import InsecurePathError
 from loader.fs import make_writable
 from loader.pack import read_head
-from precompile.ship import pack, sign
+from precompile.ship.pack import pack
+from precompile.ship.sign import sign
 
 OTHER = 12345  # a uid that is not ours
 

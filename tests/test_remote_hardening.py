@@ -15,7 +15,7 @@ import loader
 from loader import ArtifactError
 from loader import remote
 from precompile.cli import main
-from precompile.remote import promote, push
+from precompile.ship.remote import promote, push
 
 from .test_remote import STORE, cache_state, downloads, s3, store_env  # noqa: F401  (fixtures)
 

@@ -15,7 +15,7 @@ from loader import ArtifactError, Live
 from loader import remote
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.remote import promote, push
+from precompile.ship.remote import promote, push
 
 from .test_live import wait_for
 from .test_remote import STORE, downloads, s3, store_env  # noqa: F401  (fixtures)

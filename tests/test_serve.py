@@ -472,7 +472,7 @@ def test_serve_applies_the_trust_policy_to_the_first_load(classifier_artifact, s
 
 
 def test_serve_applies_the_trust_policy_to_reloads(classifier_versions, signing_keys, tmp_path):
-    from precompile.ship import sign
+    from precompile.ship.sign import sign
 
     root = tmp_path / "root"
     for n in (1, 2):

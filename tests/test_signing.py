@@ -18,7 +18,8 @@ from loader.pack import read_head
 from loader.source import open_artifact
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.ship import keygen, pack, sign
+from precompile.ship.pack import pack
+from precompile.ship.sign import keygen, sign
 
 
 def invoke(*args: str):

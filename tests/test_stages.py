@@ -310,5 +310,8 @@ def test_one_comparison_for_every_stage():
     assert compare_tensors(want, torch.tensor([1.0, float("nan"), 3.00001]), atol=1e-4, rtol=0.0).passed
     off = compare_tensors(want, torch.tensor([1.0, float("nan"), 3.5]), atol=1e-4, rtol=0.0)
     assert (off.passed, off.first_mismatch, off.max_abs_error) == (False, (2,), 0.5)
+    inf = float("inf")
+    assert compare_tensors(torch.tensor([inf, -inf]), torch.tensor([inf, -inf]), atol=0.0, rtol=0.0).passed
+    assert not compare_tensors(torch.tensor([inf]), torch.tensor([-inf]), atol=1.0, rtol=1.0).passed
     ints = compare_tensors(torch.tensor([1, 2, 3]), torch.tensor([1, 0, 0]), atol=0.0, rtol=0.0)
     assert (ints.passed, ints.max_abs_error, ints.first_mismatch) == (False, 2.0, (1,))

@@ -20,7 +20,7 @@ from loader import IncompatibleArtifactError
 from loader.artifact import read_manifest
 from loader.host import HostFacts, compatibility_problems, host_facts
 from precompile.cli import main
-from precompile.ship import sign
+from precompile.ship.sign import sign
 
 X86_BASE = {"sse", "sse2", "sse3", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "bmi", "bmi2", "lzcnt"}
 # Recorded from real machines (torch.cpu.get_capabilities() names; only the features that matter here).

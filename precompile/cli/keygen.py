@@ -17,7 +17,7 @@ def keygen(prefix: Path, force: bool) -> None:
     Keep the .key in your CI's secret store and sign with `precompile sign ARTIFACT --key PREFIX.key`;
     give the .pub to serving hosts: loader.load(path, trusted_keys=["PREFIX.pub"]).
     """
-    from ..ship import keygen as run_keygen
+    from ..ship.sign import keygen as run_keygen
 
     private, public, key_id = run_keygen(prefix, force=force)
     click.echo(f"private key  {private}  (secret: mode 0600)")

@@ -20,7 +20,7 @@ def pack(artifact: Path, output: Path | None, level: int, threads: int) -> None:
     Every file is checked against the manifest while it is packed; a signature (`precompile sign`)
     travels inside. On the host, the pack is unpacked once into the local cache.
     """
-    from ..ship import pack as run_pack
+    from ..ship.pack import pack as run_pack
 
     path = run_pack(artifact, output, level=level, threads=threads)
     click.echo(f"{path} ({_size(path.stat().st_size)})")

@@ -18,7 +18,7 @@ def promote(url: str, version: int, pointer: str) -> None:
     at their next look, with all their checks and trust options; a server refuses an older version
     unless it runs with --allow-rollback.
     """
-    from ..remote import promote as run_promote
+    from ..ship.remote import promote as run_promote
 
     pointer_url, pack_url = run_promote(url, version, pointer=pointer)
     click.echo(f"{pointer_url} -> {pack_url}")

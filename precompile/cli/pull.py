@@ -19,7 +19,7 @@ def pull(url: str, version: int | None, output: Path | None) -> None:
     The pack is checked against the store's index and unpacked in memory to check every member
     before it is written; loader.load() also reads URLs directly, through its cache.
     """
-    from ..remote import pull as run_pull
+    from ..ship.remote import pull as run_pull
 
     path, got = run_pull(url, version=version, output=output)
     click.echo(f"{path} (version {got}, {_size(path.stat().st_size)})")

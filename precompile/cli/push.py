@@ -20,7 +20,7 @@ def push(artifact: Path, url: str, level: int) -> None:
     (s3://bucket/models with the s3 extra). A published version never changes: the same content
     again is a no-op, other content is refused.
     """
-    from ..remote import push as run_push
+    from ..ship.remote import push as run_push
 
     pushed = run_push(artifact, url, level=level)
     if pushed.published:

@@ -17,7 +17,7 @@ def sign(artifact: Path, key: Path) -> None:
     The artifact is verified in full first; a pack is rewritten with the signature inside. Hosts
     refuse unsigned or changed artifacts with loader.load(path, trusted_keys=["KEY.pub"]).
     """
-    from ..ship import sign as run_sign
+    from ..ship.sign import sign as run_sign
 
     key_id = run_sign(artifact, key)
     click.echo(f"{artifact}: signed with key {key_id[:16]}")

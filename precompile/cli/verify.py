@@ -18,7 +18,7 @@ def verify(artifact: Path, keys: tuple[Path, ...], run: bool, device: str | None
 
     Prints one line per check; exits 0 only when none fails (a skipped check does not fail).
     """
-    from ..ship import verify as run_verify
+    from ..ship.verify import verify as run_verify
 
     checks = run_verify(artifact, keys=keys, run=run, device=device)
     width = max(len(c.name) for c in checks)

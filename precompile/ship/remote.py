@@ -43,8 +43,8 @@ from loader.remote import (
 from loader.remote import resolve_pointer as _resolve_pointer
 from loader.trust import parse_signature
 
-from .errors import PrecompileError
-from .ship import _atomic_output, pack
+from ..errors import PrecompileError
+from .pack import atomic_output, pack
 
 POINTER = "current"
 
@@ -139,7 +139,7 @@ def pull(url: str, *, version: int | None = None, output: str | os.PathLike | No
     _, size = stat(fs, path, source)
     if entry is not None and size != entry.size:
         raise PrecompileError(f"{source}: {size} bytes in the store, {INDEX_FILE} records {entry.size} (changed in the store, or corrupt)")
-    writer = _atomic_output(target)
+    writer = atomic_output(target)
     with writer as out:
         sha256 = download(fs, path, source, out.write, size)
         if entry is not None and sha256 != entry.sha256:
