@@ -248,13 +248,18 @@ def _reloads(text: str) -> float:
 
 
 @contextmanager
-def serve_command(artifact: Path, *options: str):
+def serve_command(artifact: Path, *options: str, log: Path | None = None):
     """`precompile serve ARTIFACT OPTIONS` as a process on a free loopback port, ready; yields the port
-    and stops it with SIGTERM (killed if it does not stop in time)."""
+    and stops it with SIGTERM (killed if it does not stop in time). ``log``: its output goes there
+    (read it while it runs), with ``--log-level info`` unless OPTIONS give one."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    command = [sys.executable, "-m", "precompile", "serve", str(artifact), "--port", str(port), "--log-level", "warning", *options]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    level = [] if "--log-level" in options else ["--log-level", "info" if log is not None else "warning"]
+    command = [sys.executable, "-m", "precompile", "serve", str(artifact), "--port", str(port), *level, *options]
+    out = open(log, "w") if log is not None else subprocess.PIPE
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    if log is not None:
+        out.close()  # the process holds its own copy
     try:
         wait_ready(f"http://127.0.0.1:{port}")
         yield port

@@ -2,6 +2,7 @@
 
     config.py   ServeConfig: what one server process needs to know
     codec.py    JSON request bodies to tensors, outputs back to JSON; the request schema and body limit
+    errors.py   the exception policy: which exceptions are the client's (4xx), which the server's (5xx)
     limits.py   the body size limit, in front of every endpoint
     reload.py   what POST /v1/reload may ask for and which paths it may load
     metrics.py  the Prometheus metrics and their registry

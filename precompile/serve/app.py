@@ -8,22 +8,25 @@
     POST /v1/reload    {"path": ...}: swap to another version (--allow-reload; see reload.py)
     /v2/...            the Open Inference Protocol (KServe v2; see oip.py)
 
-Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py). The artifact is loaded and warmed up on a background thread at start-up, so /healthz answers at once
-and /readyz turns 200 when the first request would meet warm code. Requests are decoded on the
-server's thread pool; each call runs there through ``Live.call_detailed``, or with ``--batch`` is
-queued in a ``loader.Batcher`` that runs concurrent calls as one batch (the request awaits it, so a
-client that goes away drops its call). Either way its outputs, variant and reported version belong
-together, even while a swap happens.
+Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py), and answers whatever
+its work raises through one exception policy (errors.py, ``Service.answer``). The artifact is loaded
+and warmed up on a background thread at start-up, so /healthz answers at once and /readyz turns 200
+when the first request would meet warm code. Requests are decoded on the server's thread pool; each
+call runs there through ``Live.call_detailed``, or with ``--batch`` is queued in a ``loader.Batcher``
+that runs concurrent calls as one batch (while it waits, a client that hangs up cancels it: the
+batcher drops it). Either way its outputs, variant and reported version belong together, even while
+a swap happens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -31,13 +34,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from loader import Batcher, BatcherFull, GuardError, Live, LoaderError, TrafficRecorder
+from loader import Batcher, Live, LoaderError, TrafficRecorder
 from loader.live import Serving, SwapAttempt, read_served_manifest
 
-from .codec import MIN_BODY_BYTES, BodyError, body_limit, dumps, parse_body, request_schema, to_json, to_tensors
-from .config import ServeConfig
+from .codec import MIN_BODY_BYTES, body_limit, dumps, parse_body, request_schema, to_json, to_tensors
+from .config import LOG_LEVEL_ENV, ServeConfig
+from .errors import API, OIP, ClientGone, Code, Refused, internal, refusal
 from .limits import BodyLimit
-from .metrics import Metrics, guard_reason, shape_bucket
+from .metrics import Metrics, shape_bucket
 from .oip import mount_oip
 from .reload import ReloadRefused, ReloadRequest, parse_reload_request, reload_target
 
@@ -104,35 +108,51 @@ class Service:
         serving = self.live.current
         return serving.describe() if serving is not None else None
 
+    # --- answering -----------------------------------------------------------------------------
+
+    async def answer(self, request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
+        """``work()``'s response, or the exception policy's answer to what it raised (errors.py): every
+        handler's one way to fail, so none can turn a refusal into a 5xx."""
+        try:
+            return await work()
+        except Exception as e:  # noqa: BLE001: the policy decides; a server fault is logged with its traceback
+            refused = refusal(e)
+            if refused is None:
+                log.exception("%s %s failed", request.method, request.url.path)
+                refused = internal(e)
+            return self.refuse(request.scope, refused)
+
+    def refuse(self, scope: dict[str, Any], refused: Refused) -> JSONResponse:
+        """The response to ``refused`` in the protocol of ``scope``'s path, counted and logged in one line."""
+        path = scope["path"]
+        protocol = OIP if path.startswith("/v2") else API
+        status = protocol.status(refused.code)
+        if path == "/predict" or (path.startswith("/v2/models/") and path.endswith("/infer")):
+            self.count_refused(status, refused.reason)
+        if refused.code is not Code.INTERNAL:  # a server fault was logged with its traceback already
+            level = logging.WARNING if refused.code is Code.UNAVAILABLE else logging.INFO
+            what = " ".join(str(refused).split())[:200]  # one line, whatever the message holds
+            log.log(level, "%s %s: %d %s: %s", scope.get("method"), path, status, refused.reason or refused.code.value, what)
+        return JSONResponse(protocol.body(refused), status_code=status)
+
     # --- predict -------------------------------------------------------------------------------
 
-    async def call(self, inputs: dict[str, Any]) -> tuple[Any, str, Serving]:
-        """Run one call, through the batcher with --batch; raises what the call raises."""
+    async def call(self, inputs: dict[str, Any], request: Request) -> tuple[Any, str, Serving]:
+        """Run one call, through the batcher with --batch; raises what the call raises. A queued call
+        whose client hangs up is cancelled (dropped from its batch) and ends in ClientGone."""
         if self.batcher is None:
             return await run_in_threadpool(self.live.call_detailed, **inputs)
-        # Guards run in submit (cheap); the wait is awaited, so a cancelled request cancels the call.
-        return await asyncio.wrap_future(self.batcher.submit(**inputs))
+        # Guards run in submit (cheap), so a refused call is never queued.
+        return await unless_disconnected(asyncio.wrap_future(self.batcher.submit(**inputs)), request.receive)
 
-    async def predict(self, body: bytes) -> Response:
+    async def predict(self, request: Request) -> Response:
         start = time.perf_counter()
-        try:
-            serving = self.live.serving
-        except LoaderError as e:  # nothing loaded yet
-            return self._error(503, str(e), None)
-        try:
-            # Decoded against the version read here; the call may run on a newer one, which the
-            # swap checks has the same inputs.
-            inputs = await run_in_threadpool(lambda: to_tensors(parse_body(body), serving.model.manifest))
-            outputs, variant, serving = await self.call(inputs)
-        except LoaderError as e:
-            if isinstance(e, GuardError):
-                return self._error(422, str(e), guard_reason(e))
-            return self._error(503, str(e), "queue_full" if isinstance(e, BatcherFull) else None)
-        except BodyError as e:
-            return self._error(422, str(e), "invalid_body")
-        except Exception as e:  # noqa: BLE001: a bug or a runtime failure; this request fails, the server serves on
-            log.exception("predict failed")
-            return self._error(500, f"internal error: {type(e).__name__}: {_first_line(e)}", None)
+        serving = self.live.serving  # LoaderError (503) while nothing is loaded
+        body = await request.body()
+        # Decoded against the version read here; the call may run on a newer one, which the swap
+        # checks has the same inputs.
+        inputs = await run_in_threadpool(lambda: to_tensors(parse_body(body), serving.model.manifest))
+        outputs, variant, serving = await self.call(inputs, request)
         return await run_in_threadpool(self._predicted, outputs, variant, serving, inputs, start)
 
     def _predicted(self, outputs: Any, variant: str, serving: Serving, inputs: dict[str, Any], start: float) -> Response:
@@ -141,7 +161,7 @@ class Service:
                 {"outputs": to_json(outputs), "artifact": {"name": serving.name, "version": serving.version}, "variant": variant}
             )
         except ValueError:
-            return self._error(500, "the outputs hold NaN or infinity, which JSON cannot carry", None)
+            raise Refused(Code.INVALID_ARGUMENT, "the outputs hold NaN or infinity, which JSON cannot carry", "non_finite_output") from None
         self.count_served(serving, variant, inputs, start)
         return Response(payload, media_type="application/json")
 
@@ -156,22 +176,6 @@ class Service:
         self.metrics.requests.labels(str(code)).inc()
         if reason is not None:
             self.metrics.rejections.labels(reason).inc()
-
-    def _error(self, code: int, detail: str, reason: str | None) -> JSONResponse:
-        self.count_refused(code, reason)
-        body: dict[str, Any] = {"detail": detail}
-        if reason is not None:
-            body["reason"] = reason
-        return JSONResponse(body, status_code=code)
-
-    def too_large(self, path: str) -> JSONResponse:
-        detail = f"the body is larger than the {self.max_body_bytes} bytes this server accepts (--max-body-bytes)"
-        if path == "/predict":
-            return self._error(413, detail, "too_large")
-        if path.startswith("/v2/models/") and path.endswith("/infer"):
-            self.count_refused(413, "too_large")
-            return JSONResponse({"error": detail}, status_code=413)
-        return JSONResponse({"detail": detail}, status_code=413)
 
     # --- artifact and reload -------------------------------------------------------------------
 
@@ -224,13 +228,13 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
 
     app = FastAPI(title="precompile serve", lifespan=lifespan)
     app.state.service = service
-    app.add_middleware(BodyLimit, limit=service.max_body_bytes, refuse=lambda scope: service.too_large(scope["path"]))
+    app.add_middleware(BodyLimit, limit=service.max_body_bytes, refuse=service.refuse)
     mount_oip(app, service)
 
     @app.post("/predict", openapi_extra=_json_body("PredictRequest"), responses=_ERRORS)
     async def predict(request: Request) -> Response:
         """Run the model: {"inputs": {name: nested list}} -> {"outputs": ..., "artifact": ..., "variant": ...}."""
-        return await service.predict(await request.body())
+        return await service.answer(request, lambda: service.predict(request))
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -254,23 +258,21 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/artifact")
-    def artifact() -> JSONResponse:
+    async def artifact(request: Request) -> Response:
         """What is serving: the manifest summary, its digest, and the last swap attempt."""
-        try:
-            return JSONResponse(service.summary())
-        except LoaderError as e:
-            return JSONResponse({"detail": str(e)}, status_code=503)
+        return await service.answer(request, lambda: run_in_threadpool(lambda: JSONResponse(service.summary())))
 
     @app.post("/v1/reload", openapi_extra=_json_body("ReloadRequest", required=False), responses=_ERRORS)
     async def reload(request: Request) -> JSONResponse:
         """Swap to another artifact version: {"path": "..."}; no body: the served path again."""
-        if not config.allow_reload:
-            return JSONResponse({"detail": "reload is off: start the server with --allow-reload"}, status_code=403)
-        try:
+
+        async def work() -> Response:
+            if not config.allow_reload:
+                raise Refused(Code.PERMISSION_DENIED, "reload is off: start the server with --allow-reload")
             path = parse_reload_request(await request.body())
-        except BodyError as e:
-            return JSONResponse({"detail": str(e)}, status_code=422)
-        return await run_in_threadpool(service.reload, path)
+            return await run_in_threadpool(service.reload, path)
+
+        return await service.answer(request, work)
 
     def openapi() -> dict[str, Any]:
         """The schema, with /predict's request body generated from the served manifest once one is
@@ -290,9 +292,20 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
     return app
 
 
+def log_to_stderr(level: str) -> None:
+    """The service's own log lines (loads, swaps, refusals, tracebacks) on stderr beside uvicorn's,
+    at ``level`` (--log-level): uvicorn configures its own loggers only."""
+    logger = logging.getLogger("precompile")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
 def app_from_env() -> FastAPI:
     """uvicorn's factory in each worker process (``precompile serve --workers N``)."""
-    logging.basicConfig(level=logging.INFO)
+    log_to_stderr(os.environ.get(LOG_LEVEL_ENV, "info"))
     return create_app(ServeConfig.from_env())
 
 
@@ -301,8 +314,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for code, text in {
         403: "refused by the server's configuration",
         413: "the body is larger than --max-body-bytes",
-        422: "a malformed request, or inputs the model refuses (detail and reason say why)",
-        500: "an internal failure; the server serves on",
+        422: "a malformed request, inputs the model refuses, or outputs JSON cannot carry (detail and reason say why)",
+        500: "an internal failure (a bug, logged with its traceback); the server serves on",
         503: "no artifact loaded yet, or the batch queue is full (--batch)",
     }.items()
 }
@@ -330,6 +343,27 @@ def _dims(model, inputs: dict[str, Any]) -> dict[str, int]:
     return {d: sizes[d] for d in model.manifest.dims if d in sizes}
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+
+async def unless_disconnected(pending: asyncio.Future, receive: Callable[[], Awaitable[dict]]) -> Any:
+    """``pending``'s result, or ClientGone as soon as the client hangs up while it waits (``pending``
+    is then cancelled: a call still queued in the batcher is dropped). The body has been read, so the
+    next ASGI message is ``http.disconnect``, which the server sends when the connection closes."""
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((pending, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request cancelled (the server stopping): its call goes with it
+        pending.cancel()
+        raise
+    finally:
+        gone.cancel()
+        if gone.done() and not gone.cancelled():
+            gone.exception()  # retrieved: a receive that failed means the connection is gone too
+    if pending.done():
+        return pending.result()
+    pending.cancel()
+    raise ClientGone()

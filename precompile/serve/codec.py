@@ -66,7 +66,7 @@ def to_tensors(inputs: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
 
 def to_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(value, (str, dict)) or value is None:
-        raise BodyError(f"input {name!r}: expected a nested list of numbers, got {_json_kind(value)}")
+        raise BodyError(f"input {name!r}: expected a nested list of numbers, got {json_kind(value)}")
     kinds = _leaf_types(name, value)
     if dtype is torch.bool:
         if not kinds <= {bool}:
@@ -94,12 +94,18 @@ def to_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
             raise BodyError(f"input {name!r}: values must lie in [{info.min}, {info.max}] for {_dt(dtype)}")
         return t.to(dtype)
     t = t.to(dtype)
-    if not bool(torch.isfinite(t).all()):
-        raise BodyError(
-            f"input {name!r}: values must be finite numbers within {_dt(dtype)}'s range "
-            f"(±{torch.finfo(dtype).max:.4g}); NaN, Infinity and larger numbers are refused"
-        )
+    check_finite(name, t)
     return t
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """BodyError unless every value of a floating-point input is finite: the one rule for values sent
+    as JSON (where a number too large for the dtype has become infinity) and as binary tensors."""
+    if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+        raise BodyError(
+            f"input {name!r}: values must be finite numbers within {_dt(t.dtype)}'s range "
+            f"(±{torch.finfo(t.dtype).max:.4g}); NaN, Infinity and larger numbers are refused"
+        )
 
 
 def _integral(name: str, value: Any, dtype: torch.dtype) -> Any:
@@ -198,7 +204,8 @@ def _kind(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point else "int"
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """How a JSON value is named in a refusal: "a string", "an object", "null", "list", "int"..."""
     return {str: "a string", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 
 

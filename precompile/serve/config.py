@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass
 
 ENV_VAR = "PRECOMPILE_SERVE_CONFIG"
+LOG_LEVEL_ENV = "PRECOMPILE_SERVE_LOG_LEVEL"  # --log-level, for the workers' own loggers
 
 
 @dataclass(frozen=True)

@@ -9,21 +9,33 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
+from .errors import Code, Refused
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class _TooLarge(Exception):
-    pass
+class BodyTooLarge(Refused):
+    """A body over the limit; raised from ``receive`` while an endpoint reads a chunked body, and
+    answered by the exception policy like any refusal (413)."""
+
+    def __init__(self, limit: int):
+        super().__init__(
+            Code.RESOURCE_EXHAUSTED,
+            f"the body is larger than the {limit} bytes this server accepts (--max-body-bytes)",
+            "too_large",
+        )
 
 
 class BodyLimit:
-    """``BodyLimit(app, limit=N, refuse=...)``: ``refuse(scope)`` makes the 413 response (an ASGI app)
-    for a request whose body is larger than ``limit`` bytes."""
+    """``BodyLimit(app, limit=N, refuse=...)``: ``refuse(scope, error)`` makes the 413 response (an
+    ASGI app) for a request whose body is larger than ``limit`` bytes. An endpoint answers a chunked
+    body's BodyTooLarge itself (through the exception policy); one that lets it escape gets the same
+    answer here."""
 
-    def __init__(self, app: ASGIApp, *, limit: int, refuse: Callable[[Scope], ASGIApp]):
+    def __init__(self, app: ASGIApp, *, limit: int, refuse: Callable[[Scope, BodyTooLarge], ASGIApp]):
         self.app = app
         self.limit = limit
         self.refuse = refuse
@@ -34,7 +46,7 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.limit:
-            await self.refuse(scope)(scope, receive, send)
+            await self.refuse(scope, BodyTooLarge(self.limit))(scope, receive, send)
             return
         received = 0
         started = False
@@ -45,7 +57,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
-                    raise _TooLarge
+                    raise BodyTooLarge(self.limit)
             return message
 
         async def tracking_send(message: dict) -> None:
@@ -55,9 +67,9 @@ class BodyLimit:
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except _TooLarge:
+        except BodyTooLarge as e:
             if not started:
-                await self.refuse(scope)(scope, receive, send)
+                await self.refuse(scope, e)(scope, receive, send)
 
 
 def _content_length(scope: Scope) -> int | None:

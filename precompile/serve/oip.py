@@ -10,8 +10,11 @@
 The binary tensor data extension is supported both ways: a request whose JSON header is followed by
 raw little-endian tensors (``Inference-Header-Content-Length``, ``binary_data_size`` per input), and
 outputs in binary when asked (``binary_data`` per requested output, or ``binary_data_output`` for
-all). Errors are ``{"error": "..."}``: 400 for a bad request or inputs the guards refuse (with the
-guard's message), 404 for an unknown model, 503 while nothing is loaded or the batch queue is full.
+all). Errors are ``{"error": "..."}``, statuses from the server's exception policy (errors.py):
+400 for a bad request (any field of the wrong JSON type, ``parameters`` included), inputs the codec
+or the guards refuse (NaN or infinity, binary or not, as /predict refuses them), or outputs JSON
+cannot carry; 404 for an unknown model, 413 over the body limit, 503 while nothing is loaded or the
+batch queue is full.
 
 Output names: ``output`` for a single tensor; otherwise the path in forward()'s result, dict keys by
 name and sequence items by index (``output.0``, ``output.1``; ``logits``, ``extra.0``).
@@ -19,7 +22,6 @@ name and sequence items by index (``output.0``, ``output.1``; ``logits``, ``extr
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 import time
@@ -30,18 +32,16 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from loader import BatcherFull, GuardError, LoaderError
 from loader.guards import TORCH_DTYPES
 from loader.live import Serving
 from loader.manifest import Manifest, OutputSpec
 
-from .codec import BodyError, dumps, parse_json, to_tensor
-from .metrics import guard_reason
+from .codec import MAX_RANK, check_finite, dumps, json_kind, parse_json, to_tensor
+from .errors import Code, Refused
 
 if TYPE_CHECKING:
     from .app import Service
 
-log = logging.getLogger("precompile.serve")
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 DATATYPES = {
@@ -59,16 +59,14 @@ DATATYPES = {
 _TORCH_TO_DATATYPE = {TORCH_DTYPES[name]: code for name, code in DATATYPES.items()}
 
 
-class OIPError(Exception):
-    """A request the protocol answers with ``{"error": message}`` and ``status``."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+def _invalid(message: str) -> Refused:
+    """A malformed infer request (400, counted as invalid_body)."""
+    return Refused(Code.INVALID_ARGUMENT, message, "invalid_body")
 
 
 def mount_oip(app: FastAPI, service: Service) -> None:
-    """Add the /v2 routes to ``app``, serving ``service``'s model."""
+    """Add the /v2 routes to ``app``, serving ``service``'s model. Every refusal and failure is
+    answered by the server's exception policy (errors.py), as ``{"error": message}``."""
     router = APIRouter(prefix="/v2")
 
     @router.get("")
@@ -90,65 +88,46 @@ def mount_oip(app: FastAPI, service: Service) -> None:
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @router.get("/models/{name}")
-    def model_metadata(name: str) -> JSONResponse:
+    async def model_metadata(name: str, request: Request) -> Response:
         """The model's inputs and outputs: names, datatypes, shapes (-1 for a dynamic dim)."""
-        try:
-            return JSONResponse(_metadata(_serving(service, name)))
-        except OIPError as e:
-            return _error(e)
+        return await service.answer(request, lambda: run_in_threadpool(lambda: JSONResponse(_metadata(_serving(service, name)))))
 
     @router.get("/models/{name}/ready")
-    def model_ready(name: str) -> JSONResponse:
+    async def model_ready(name: str, request: Request) -> Response:
         """The named model is loaded and warmed up."""
-        try:
+
+        async def work() -> Response:
             _serving(service, name)
-        except OIPError as e:
-            return _error(e)
-        return JSONResponse({"name": name, "ready": True})
+            return JSONResponse({"name": name, "ready": True})
+
+        return await service.answer(request, work)
 
     @router.post("/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
         """Run the model on JSON or binary tensors (the binary tensor data extension)."""
-        start = time.perf_counter()
-        try:
-            serving = _serving(service, name)
-            body = await request.body()
-            header = request.headers.get(HEADER_LENGTH)
-            parsed = await run_in_threadpool(parse_infer_request, body, header, serving.model.manifest)
-            outputs, variant, serving = await service.call(parsed.inputs)
-            response = await run_in_threadpool(infer_response, serving, outputs, parsed)
-        except OIPError as e:  # counted as /predict counts its own: a malformed request is invalid_body
-            service.count_refused(e.status, "invalid_body" if e.status == 400 else None)
-            return _error(e)
-        except GuardError as e:
-            service.count_refused(400, guard_reason(e))
-            return _error(OIPError(400, str(e)))
-        except BatcherFull as e:
-            service.count_refused(503, "queue_full")
-            return _error(OIPError(503, str(e)))
-        except LoaderError as e:
-            service.count_refused(503, None)
-            return _error(OIPError(503, str(e)))
-        except Exception as e:  # noqa: BLE001: a bug or a runtime failure; this request fails, the server serves on
-            log.exception("infer failed")
-            service.count_refused(500, None)
-            return _error(OIPError(500, f"internal error: {type(e).__name__}: {e}"))
-        service.count_served(serving, variant, parsed.inputs, start)
-        return response
+        return await service.answer(request, lambda: _infer(service, name, request))
 
     app.include_router(router)
 
 
-def _error(e: OIPError) -> JSONResponse:
-    return JSONResponse({"error": str(e)}, status_code=e.status)
+async def _infer(service: Service, name: str, request: Request) -> Response:
+    start = time.perf_counter()
+    serving = _serving(service, name)
+    body = await request.body()
+    header = request.headers.get(HEADER_LENGTH)
+    parsed = await run_in_threadpool(parse_infer_request, body, header, serving.model.manifest)
+    outputs, variant, serving = await service.call(parsed.inputs, request)
+    response = await run_in_threadpool(infer_response, serving, outputs, parsed)
+    service.count_served(serving, variant, parsed.inputs, start)
+    return response
 
 
 def _serving(service: Service, name: str) -> Serving:
     serving = service.live.current
     if serving is None:
-        raise OIPError(503, "no model is loaded yet")
+        raise Refused(Code.UNAVAILABLE, "no model is loaded yet")
     if name != serving.name:
-        raise OIPError(404, f"unknown model {name!r} (this server serves {serving.name!r})")
+        raise Refused(Code.NOT_FOUND, f"unknown model {name!r} (this server serves {serving.name!r})", "unknown_model")
     return serving
 
 
@@ -233,89 +212,111 @@ class InferRequest:
 
 
 def parse_infer_request(body: bytes, header_length: str | None, manifest: Manifest) -> InferRequest:
-    """Decode an infer request (JSON, or a JSON header then binary tensors); OIPError(400) says what
+    """Decode an infer request (JSON, or a JSON header then binary tensors); a refusal (400) says what
     is wrong. Names, shapes and ranges beyond the datatype are left to the loader's guards."""
     binary = b""
     if header_length is not None:
         try:
             n = int(header_length)
         except ValueError:
-            raise OIPError(400, f"{HEADER_LENGTH}: {header_length!r} is not a number") from None
+            raise _invalid(f"{HEADER_LENGTH}: {header_length!r} is not a number") from None
         if not 0 <= n <= len(body):
-            raise OIPError(400, f"{HEADER_LENGTH}: {n} is not within the body's {len(body)} bytes")
+            raise _invalid(f"{HEADER_LENGTH}: {n} is not within the body's {len(body)} bytes")
         body, binary = body[:n], body[n:]
-    try:
-        request = parse_json(body)
-    except BodyError as e:
-        raise OIPError(400, str(e)) from None
+    request = parse_json(body)
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
-        raise OIPError(400, 'expected a JSON object {"inputs": [{"name", "shape", "datatype", "data"}, ...]}')
+        raise _invalid('expected a JSON object {"inputs": [{"name", "shape", "datatype", "data"}, ...]}')
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise _invalid(f"id: expected a string, got {json_kind(request_id)}")
+    binary_all = _flag("parameters", _parameters("parameters", request), "binary_data_output", False)
     specs = {spec.name: spec for spec in manifest.inputs}
     inputs: dict[str, torch.Tensor] = {}
     offset = 0
     for i, item in enumerate(request["inputs"]):
         where = f"inputs[{i}]"
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise OIPError(400, f"{where}: expected an object with a name, shape, datatype and data")
+            raise _invalid(f"{where}: expected an object with a name, shape, datatype and data")
         name = item["name"]
         spec = specs.get(name)
         if spec is None:
-            raise OIPError(400, f"{where}: unknown input {name!r} (inputs: {', '.join(specs)})")
+            raise _invalid(f"{where}: unknown input {name!r} (inputs: {', '.join(specs)})")
         if name in inputs:
-            raise OIPError(400, f"{where}: input {name!r} given twice")
+            raise _invalid(f"{where}: input {name!r} given twice")
         if item.get("datatype") != DATATYPES[spec.dtype]:
-            raise OIPError(400, f"input {name!r}: datatype must be {DATATYPES[spec.dtype]}, got {item.get('datatype')!r}")
+            raise _invalid(f"input {name!r}: datatype must be {DATATYPES[spec.dtype]}, got {item.get('datatype')!r}")
         shape = item.get("shape")
-        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise OIPError(400, f"input {name!r}: shape must be a list of sizes ≥ 0")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(s) is int and 0 <= s <= MAX_SIZE for s in shape):
+            raise _invalid(f"input {name!r}: shape must be a list of at most {MAX_RANK} sizes in [0, {MAX_SIZE}]")
         count = math.prod(shape)
         dtype = TORCH_DTYPES[spec.dtype]
-        size = (item.get("parameters") or {}).get("binary_data_size")
+        size = _parameters(f"{where}.parameters", item).get("binary_data_size")
         if size is not None:
             tensor, offset = _binary_tensor(name, binary, offset, size, shape, count, dtype)
         else:
             tensor = _json_tensor(name, item.get("data"), shape, count, dtype)
         inputs[name] = tensor
     if offset != len(binary):
-        raise OIPError(400, f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
-    return InferRequest(inputs, request.get("id"), *_wanted_outputs(request))
+        raise _invalid(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
+    return InferRequest(inputs, request_id, _wanted_outputs(request, binary_all), binary_all)
+
+
+MAX_SIZE = 2**31 - 1  # per dim: far beyond any body the limit lets in, and within what torch's shapes hold
+
+
+def _parameters(where: str, holder: dict[str, Any]) -> dict[str, Any]:
+    """``holder``'s ``parameters`` object (the protocol's request, input and output level); {} without one."""
+    parameters = holder.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise _invalid(f"{where}: expected an object, got {json_kind(parameters)}")
+    return parameters
+
+
+def _flag(where: str, parameters: dict[str, Any], key: str, default: bool) -> bool:
+    value = parameters.get(key, default)
+    if not isinstance(value, bool):
+        raise _invalid(f"{where}.{key}: expected true or false, got {json_kind(value)}")
+    return value
 
 
 def _binary_tensor(name: str, binary: bytes, offset: int, size: Any, shape: list[int], count: int, dtype: torch.dtype):
     itemsize = torch.empty((), dtype=dtype).element_size()
     if type(size) is not int or size != count * itemsize:
-        raise OIPError(400, f"input {name!r}: binary_data_size {size!r} is not {count} × {itemsize} bytes for shape {shape}")
+        raise _invalid(f"input {name!r}: binary_data_size {size!r} is not {count} × {itemsize} bytes for shape {shape}")
     if offset + size > len(binary):
-        raise OIPError(400, f"input {name!r}: binary_data_size {size} runs past the end of the body")
+        raise _invalid(f"input {name!r}: binary_data_size {size} runs past the end of the body")
     raw = bytearray(binary[offset : offset + size])  # a copy: the tensor must own writable memory
     tensor = torch.frombuffer(raw, dtype=dtype) if size else torch.empty(0, dtype=dtype)
     if sys.byteorder != "little":  # the protocol's bytes are little-endian
         tensor = tensor.view(torch.uint8).view(-1, itemsize).flip(1).contiguous().view(dtype).view(-1)
     if dtype is torch.bool and not bool(((tensor.view(torch.uint8) == 0) | (tensor.view(torch.uint8) == 1)).all()):
-        raise OIPError(400, f"input {name!r}: BOOL bytes must be 0 or 1")
+        raise _invalid(f"input {name!r}: BOOL bytes must be 0 or 1")
+    check_finite(name, tensor)  # the rule JSON values meet in to_tensor, so both routes refuse the same
     return tensor.reshape(shape), offset + size
 
 
 def _json_tensor(name: str, data: Any, shape: list[int], count: int, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(data, list):
-        raise OIPError(400, f"input {name!r}: data must be a list (or use binary_data_size)")
-    try:
-        tensor = to_tensor(name, data, dtype)
-    except BodyError as e:
-        raise OIPError(400, str(e)) from None
+        raise _invalid(f"input {name!r}: data must be a list (or use binary_data_size)")
+    tensor = to_tensor(name, data, dtype)
     if tensor.numel() != count:
-        raise OIPError(400, f"input {name!r}: {tensor.numel()} values for shape {shape}")
+        raise _invalid(f"input {name!r}: {tensor.numel()} values for shape {shape}")
     return tensor.reshape(shape)
 
 
-def _wanted_outputs(request: dict[str, Any]) -> tuple[dict[str, bool] | None, bool]:
-    binary_all = bool((request.get("parameters") or {}).get("binary_data_output", False))
+def _wanted_outputs(request: dict[str, Any], binary_all: bool) -> dict[str, bool] | None:
+    """Output name -> whether it is sent in binary; None: every output, as ``binary_all`` says."""
     outputs = request.get("outputs")
     if outputs is None:
-        return None, binary_all
+        return None
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
-        raise OIPError(400, 'outputs must be a list of {"name": ..., "parameters": {...}}')
-    return {o["name"]: bool((o.get("parameters") or {}).get("binary_data", binary_all)) for o in outputs}, binary_all
+        raise _invalid('outputs must be a list of {"name": ..., "parameters": {...}}')
+    return {
+        o["name"]: _flag(f"outputs[{i}].parameters", _parameters(f"outputs[{i}].parameters", o), "binary_data", binary_all)
+        for i, o in enumerate(outputs)
+    }
 
 
 def infer_response(serving: Serving, outputs: Any, request: InferRequest) -> Response:
@@ -325,7 +326,7 @@ def infer_response(serving: Serving, outputs: Any, request: InferRequest) -> Res
     wanted = request.wanted if request.wanted is not None else {n: request.binary_all for n in named}
     unknown = [n for n in wanted if n not in named]
     if unknown:
-        raise OIPError(400, f"unknown output {unknown[0]!r} (outputs: {', '.join(named)})")
+        raise _invalid(f"unknown output {unknown[0]!r} (outputs: {', '.join(named)})")
     described, chunks = [], []
     for name, binary in wanted.items():
         t = named[name].detach().cpu().contiguous()
@@ -343,7 +344,9 @@ def infer_response(serving: Serving, outputs: Any, request: InferRequest) -> Res
     try:
         header = dumps(result)
     except ValueError:
-        raise OIPError(500, "the outputs hold NaN or infinity, which JSON cannot carry; ask for them in binary") from None
+        raise Refused(
+            Code.INVALID_ARGUMENT, "the outputs hold NaN or infinity, which JSON cannot carry; ask for them in binary", "non_finite_output"
+        ) from None
     if not chunks:
         return Response(header, media_type="application/json")
     return Response(header + b"".join(chunks), media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(header))})

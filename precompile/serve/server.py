@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 
-from .config import ServeConfig
+from .config import LOG_LEVEL_ENV, ServeConfig
 
 REEXEC_MARK = "PRECOMPILE_SERVE_ENV_SET"  # set in the re-executed server, so it never loops
 
@@ -62,8 +62,9 @@ def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, worke
     env = serving_env(workers)
     if workers == 1:
         reexec_with(env)  # no return when it re-executes: the server then starts with the settings in effect
-        from .app import create_app
+        from .app import create_app, log_to_stderr
 
+        log_to_stderr(log_level)
         uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, http=HTTP_PROTOCOL)
         return
     # Counters from every worker are summed through files in this folder (prometheus_client's
@@ -71,6 +72,7 @@ def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, worke
     metrics_dir = tempfile.mkdtemp(prefix="precompile-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     os.environ.update(config.to_env())
+    os.environ[LOG_LEVEL_ENV] = log_level
     # Workers are fresh interpreters: the OpenMP settings take effect there (one thread pool per
     # worker, sized to its share of the CPUs: more threads than cores slow every call down).
     os.environ.update(env)
