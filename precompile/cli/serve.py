@@ -76,24 +76,18 @@ def serve(
             f"precompile serve needs {', '.join(missing)}, which the core install leaves out: "
             "pip install 'precompile[serve]'"
         )
-    if workers > 1 and allow_reload:
-        raise click.UsageError(
-            "--allow-reload with --workers > 1: a POST /v1/reload reaches one worker only; "
-            "deploy by replacing ARTIFACT (a link or pointer file) and serve with --watch"
-        )
-    if workers > 1 and record and "{pid}" not in record:
-        raise click.UsageError(
-            f"--record {record} with --workers {workers}: each worker writes its own file; put {{pid}} in the "
-            "path (e.g. traffic-{pid}.jsonl) and merge them with `precompile profile merge`"
-        )
-    if reload_root is not None and not allow_reload:
-        raise click.UsageError("--reload-root without --allow-reload: reload is off")
-    if allow_rollback and refuse_rollback:
-        raise click.UsageError("--allow-rollback and --refuse-rollback contradict each other; pick one")
-    if trusted_keys and no_verify:
-        raise click.UsageError("--no-verify skips the sha256 checks a signature relies on; drop it or --trusted-key")
-    if not batch and (max_batch is not None or _given("max_delay_ms") or _given("max_queue")):
-        raise click.UsageError("--max-batch, --max-delay-ms and --max-queue apply with --batch only")
+    _check_combinations(
+        workers=workers,
+        allow_reload=allow_reload,
+        reload_root=reload_root,
+        record=record,
+        allow_rollback=allow_rollback,
+        refuse_rollback=refuse_rollback,
+        trusted_keys=trusted_keys,
+        no_verify=no_verify,
+        batch=batch,
+        max_batch=max_batch,
+    )
     manifest = _preflight(artifact, record, trusted_keys)
 
     from ..serve.codec import body_limit
@@ -121,6 +115,40 @@ def serve(
         precision=precision,
     )
     run(config, host=host, port=port, workers=workers, log_level=log_level)
+
+
+def _check_combinations(
+    *,
+    workers: int,
+    allow_reload: bool,
+    reload_root: Path | None,
+    record: str | None,
+    allow_rollback: bool,
+    refuse_rollback: bool,
+    trusted_keys: tuple[Path, ...],
+    no_verify: bool,
+    batch: bool,
+    max_batch: int | None,
+) -> None:
+    """Refuse options that contradict each other (a UsageError naming both)."""
+    if workers > 1 and allow_reload:
+        raise click.UsageError(
+            "--allow-reload with --workers > 1: a POST /v1/reload reaches one worker only; "
+            "deploy by replacing ARTIFACT (a link or pointer file) and serve with --watch"
+        )
+    if workers > 1 and record and "{pid}" not in record:
+        raise click.UsageError(
+            f"--record {record} with --workers {workers}: each worker writes its own file; put {{pid}} in the "
+            "path (e.g. traffic-{pid}.jsonl) and merge them with `precompile profile merge`"
+        )
+    if reload_root is not None and not allow_reload:
+        raise click.UsageError("--reload-root without --allow-reload: reload is off")
+    if allow_rollback and refuse_rollback:
+        raise click.UsageError("--allow-rollback and --refuse-rollback contradict each other; pick one")
+    if trusted_keys and no_verify:
+        raise click.UsageError("--no-verify skips the sha256 checks a signature relies on; drop it or --trusted-key")
+    if not batch and (max_batch is not None or _given("max_delay_ms") or _given("max_queue")):
+        raise click.UsageError("--max-batch, --max-delay-ms and --max-queue apply with --batch only")
 
 
 def _given(name: str) -> bool:

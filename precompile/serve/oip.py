@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from fastapi import APIRouter, FastAPI, Request
@@ -36,12 +36,10 @@ from loader.guards import TORCH_DTYPES
 from loader.live import Serving
 from loader.manifest import Manifest, OutputSpec
 
+from .. import __version__
 from .codec import MAX_RANK, check_finite, dumps, json_kind, parse_json, to_tensor
 from .errors import Code, Refused
-
-if TYPE_CHECKING:
-    from .app import Service
-
+from .service import Service
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 DATATYPES = {
@@ -72,8 +70,6 @@ def mount_oip(app: FastAPI, service: Service) -> None:
     @router.get("")
     def server_metadata() -> dict:
         """Server name, version and protocol extensions."""
-        from precompile import __version__
-
         return {"name": "precompile", "version": __version__, "extensions": ["binary_tensor_data"]}
 
     @router.get("/health/live")
