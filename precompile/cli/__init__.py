@@ -4,7 +4,8 @@ function, and turns the library's own exceptions into a one-block message with e
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -36,21 +37,21 @@ def main() -> None:
     """
 
 
-from . import build as _build  # noqa: E402,F401  (commands register themselves on main)
 from . import assemble as _assemble  # noqa: E402,F401
-from . import inspect as _inspect  # noqa: E402,F401
-from . import plan as _plan  # noqa: E402,F401
-from . import schema as _schema  # noqa: E402,F401
-from . import profile_cmd as _profile_cmd  # noqa: E402,F401
-from . import serve as _serve  # noqa: E402,F401
+from . import build as _build  # noqa: E402,F401  (commands register themselves on main)
 from . import cache as _cache  # noqa: E402,F401
+from . import doctor as _doctor  # noqa: E402,F401
+from . import init as _init  # noqa: E402,F401
+from . import inspect as _inspect  # noqa: E402,F401
 from . import keygen as _keygen  # noqa: E402,F401
+from . import ls as _ls  # noqa: E402,F401
 from . import pack as _pack  # noqa: E402,F401
+from . import plan as _plan  # noqa: E402,F401
+from . import profile_cmd as _profile_cmd  # noqa: E402,F401
+from . import promote as _promote  # noqa: E402,F401
+from . import pull as _pull  # noqa: E402,F401
+from . import push as _push  # noqa: E402,F401
+from . import schema as _schema  # noqa: E402,F401
+from . import serve as _serve  # noqa: E402,F401
 from . import sign as _sign  # noqa: E402,F401
 from . import verify as _verify  # noqa: E402,F401
-from . import push as _push  # noqa: E402,F401
-from . import pull as _pull  # noqa: E402,F401
-from . import ls as _ls  # noqa: E402,F401
-from . import init as _init  # noqa: E402,F401
-from . import doctor as _doctor  # noqa: E402,F401
-from . import promote as _promote  # noqa: E402,F401

@@ -124,7 +124,7 @@ def _leaf_types(name: str, value: Any) -> set[type]:
     """The Python types of the non-list values in a nested list, level by level (no recursion)."""
     kinds: set[type] = set()
     level = [value]
-    for depth in range(MAX_RANK + 2):
+    for _depth in range(MAX_RANK + 2):
         if not level:
             return kinds
         deeper = []
