@@ -49,7 +49,9 @@ def calibration_inputs(loaded: LoadedProfile, traffic: dict[Shape, int]) -> list
 def fallback_inputs(profile: Profile, ranges: dict[str, tuple[int, int]], count: int = 3) -> list[Sample]:
     """Inputs at a variant's range ends (``ranges``) and random sizes inside, when no calibration input fits it."""
     seed = profile.check.seed + 32452843
-    return [(s, make_inputs(profile, s, seed=seed + i)) for i, s in enumerate(check_shapes(profile, ranges, count, seed))]
+    return [
+        (s, make_inputs(profile, s, seed=seed + i)) for i, s in enumerate(check_shapes(profile, ranges, count, seed))
+    ]
 
 
 def read_calibration_file(loaded: LoadedProfile) -> list[Sample]:
@@ -63,7 +65,9 @@ def read_calibration_file(loaded: LoadedProfile) -> list[Sample]:
             for name, t in load_file(str(path)).items():
                 sample, _, input_name = name.partition("/")
                 if not input_name:
-                    raise ProfileError(str(loaded.path), [(where, f"{path.name}: tensor {name!r} is not named '<sample>/<input>'")])
+                    raise ProfileError(
+                        str(loaded.path), [(where, f"{path.name}: tensor {name!r} is not named '<sample>/<input>'")]
+                    )
                 grouped.setdefault(sample, {})[input_name] = t
             raw = [grouped[k] for k in sorted(grouped, key=lambda k: (len(k), k))]
         else:
@@ -71,7 +75,9 @@ def read_calibration_file(loaded: LoadedProfile) -> list[Sample]:
                 if line.strip():
                     item = json.loads(line)
                     if not isinstance(item, dict):
-                        raise ProfileError(str(loaded.path), [(where, f"{path.name} line {n}: expected an object of inputs")])
+                        raise ProfileError(
+                            str(loaded.path), [(where, f"{path.name} line {n}: expected an object of inputs")]
+                        )
                     raw.append(item)
     except ProfileError:
         raise
@@ -87,7 +93,15 @@ def _sample(profile: Profile, item: dict[str, Any], label: str, source: str) -> 
     missing = [n for n in profile.inputs if n not in item]
     extra = [n for n in item if n not in profile.inputs]
     if missing or extra:
-        raise ProfileError(source, [("calibration.file", f"{label}: inputs must be exactly {list(profile.inputs)} (missing {missing}, unknown {extra})")])
+        raise ProfileError(
+            source,
+            [
+                (
+                    "calibration.file",
+                    f"{label}: inputs must be exactly {list(profile.inputs)} (missing {missing}, unknown {extra})",
+                )
+            ],
+        )
     sizes: dict[str, int] = {}
     tensors = []
     for name, spec in profile.inputs.items():
@@ -96,21 +110,40 @@ def _sample(profile: Profile, item: dict[str, Any], label: str, source: str) -> 
         except (TypeError, ValueError, RuntimeError) as e:
             raise ProfileError(source, [("calibration.file", f"{label}: input {name!r}: {e}")]) from None
         if t.dim() != len(spec.shape):
-            problems.append(("calibration.file", f"{label}: input {name!r} has {t.dim()} axes, the profile declares {len(spec.shape)}"))
+            problems.append(
+                (
+                    "calibration.file",
+                    f"{label}: input {name!r} has {t.dim()} axes, the profile declares {len(spec.shape)}",
+                )
+            )
             continue
         for axis, s in enumerate(spec.shape):
             n = t.shape[axis]
             if isinstance(s, int) and s != n:
-                problems.append(("calibration.file", f"{label}: {name}.shape[{axis}] is {n}, the profile fixes it to {s}"))
+                problems.append(
+                    ("calibration.file", f"{label}: {name}.shape[{axis}] is {n}, the profile fixes it to {s}")
+                )
             elif isinstance(s, str):
                 if sizes.setdefault(s, n) != n:
-                    problems.append(("calibration.file", f"{label}: dim {s!r} is {sizes[s]} in one input and {n} in {name!r}"))
+                    problems.append(
+                        ("calibration.file", f"{label}: dim {s!r} is {sizes[s]} in one input and {n} in {name!r}")
+                    )
                 elif not profile.dims[s].min <= n <= profile.dims[s].max:
-                    problems.append(("calibration.file", f"{label}: {s}={n} is outside dims.{s} [{profile.dims[s].min}, {profile.dims[s].max}]"))
+                    problems.append(
+                        (
+                            "calibration.file",
+                            f"{label}: {s}={n} is outside dims.{s} [{profile.dims[s].min}, {profile.dims[s].max}]",
+                        )
+                    )
         if spec.range is not None and t.numel():
             lo, hi = (float(x) for x in torch.aminmax(t.double()))
             if lo < spec.range[0] or hi > spec.range[1]:
-                problems.append(("calibration.file", f"{label}: input {name!r} holds values in [{lo:g}, {hi:g}], outside its range {list(spec.range)}"))
+                problems.append(
+                    (
+                        "calibration.file",
+                        f"{label}: input {name!r} holds values in [{lo:g}, {hi:g}], outside its range {list(spec.range)}",
+                    )
+                )
         tensors.append(t)
     if problems:
         raise ProfileError(source, problems)

@@ -98,7 +98,11 @@ def compare(
             g = g.to(w.dtype)
         if tuple(w.shape) != tuple(g.shape) or w.dtype != g.dtype:
             raise CheckError(f"{where}: eager gave {w.dtype} {tuple(w.shape)}, compiled {g.dtype} {tuple(g.shape)}")
-        dtype = compute_dtype if compute_dtype is not None and w.is_floating_point() else str(w.dtype).removeprefix("torch.")
+        dtype = (
+            compute_dtype
+            if compute_dtype is not None and w.is_floating_point()
+            else str(w.dtype).removeprefix("torch.")
+        )
         atol, rtol = profile.tolerance(dtype)
         c = compare_tensors(w, g, atol=atol, rtol=rtol)
         if not c.passed:

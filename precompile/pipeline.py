@@ -140,7 +140,9 @@ def finish(
         manifest = assemble_manifest(ctx, staging, kept, records)
     with progress.stage("check", "compiled vs eager, every variant"):
         staged = Staged(staging, target=manifest.target.device, lower_precisions=len(kept) > len(tuned))
-        report = check_artifact(ctx.loaded, ctx.model, staged, [u.variant for u in kept if u.variant.precision == "fp32"])
+        report = check_artifact(
+            ctx.loaded, ctx.model, staged, [u.variant for u in kept if u.variant.precision == "fp32"]
+        )
         check_policies(ctx.loaded, ctx.model, staged, report)
     measured, paying = _measure(ctx, staged, kept, progress)
     if len(paying) < len(kept):
@@ -177,7 +179,9 @@ def _tune(ctx: BuildContext, units: CompiledUnits, progress: Progress) -> tuple[
     return list(result.kept), result.trials
 
 
-def _gate(ctx: BuildContext, units: list[CompiledUnit], progress: Progress) -> tuple[list[CompiledUnit], tuple[GateResult, ...]]:
+def _gate(
+    ctx: BuildContext, units: list[CompiledUnit], progress: Progress
+) -> tuple[list[CompiledUnit], tuple[GateResult, ...]]:
     """The units the precision gate keeps (every fp32 one), and its results."""
     lower = [u for u in units if u.variant.precision != "fp32"]
     if not lower:

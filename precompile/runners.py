@@ -33,7 +33,9 @@ def flatten(value: Any) -> list[torch.Tensor]:
     return [t for v in value for t in flatten(v)]
 
 
-def run_eager(model: torch.nn.Module, args: tuple, *, profile: Profile | None = None, sizes: dict[str, int] | None = None) -> Any:
+def run_eager(
+    model: torch.nn.Module, args: tuple, *, profile: Profile | None = None, sizes: dict[str, int] | None = None
+) -> Any:
     """forward() on sample inputs; a failure is a ModelError saying the shapes, and (given the
     profile and the sizes) which sizes the build chose and why. The original exception is kept as
     the error's ``cause`` for explain_eager_failure."""
@@ -45,15 +47,22 @@ def run_eager(model: torch.nn.Module, args: tuple, *, profile: Profile | None = 
         lines = [f"eager forward() failed on sample inputs of shapes {shapes}: {type(e).__name__}: {str(e).strip()}"]
         if profile is not None and sizes:
             lines.append(f"  {sample_sizes(profile, sizes)}")
-        if isinstance(e, IndexError) and profile is not None and any(
-            spec.dtype not in ("float16", "bfloat16", "float32", "float64", "bool") for spec in profile.inputs.values()
+        if (
+            isinstance(e, IndexError)
+            and profile is not None
+            and any(
+                spec.dtype not in ("float16", "bfloat16", "float32", "float64", "bool")
+                for spec in profile.inputs.values()
+            )
         ):
             lines.append(
                 "  an index past a table: either the sample values (drawn from each integer input's `range`) or a "
                 "dim larger than a table the model indexes by position; `precompile doctor PROFILE` says which"
             )
         elif profile is not None and sizes:
-            lines.append("  `precompile doctor PROFILE` lists every size the model fixes or bounds, with its source line")
+            lines.append(
+                "  `precompile doctor PROFILE` lists every size the model fixes or bounds, with its source line"
+            )
         error = ModelError("\n".join(lines))
         error.cause = e
         raise error from None

@@ -31,7 +31,9 @@ def read_distribution(loaded: LoadedProfile) -> dict[Shape, int]:
             return
         if set(entry) != set(dims):
             missing, extra = sorted(set(dims) - set(entry)), sorted(set(entry) - set(dims))
-            what = "; ".join(x for x in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if x)
+            what = "; ".join(
+                x for x in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if x
+            )
             problems.append((place, f"needs a size for exactly the dims {list(dims)} ({what})"))
             return
         if not all(isinstance(entry[d], int) and not isinstance(entry[d], bool) and entry[d] >= 0 for d in dims):
@@ -57,7 +59,9 @@ def read_distribution(loaded: LoadedProfile) -> dict[Shape, int]:
         for key, count in recorded.items():
             add(dict(key), count, f"distribution.file: {path.name}")
     if problems:
-        raise ProfileError(source, problems[:20] + ([("", f"... and {len(problems) - 20} more")] if len(problems) > 20 else []))
+        raise ProfileError(
+            source, problems[:20] + ([("", f"... and {len(problems) - 20} more")] if len(problems) > 20 else [])
+        )
     return counts
 
 

@@ -68,7 +68,9 @@ def runners(model: torch.nn.Module, noise: dict[str, float]):
 
 
 def test_tuning_keeps_the_fastest_candidate_under_the_variants_own_name(tmp_path, profile, model):
-    compiled = CompiledUnits((unit(tmp_path, DYNAMIC, 0, 2.0), unit(tmp_path, DYNAMIC, 1, 3.0), unit(tmp_path, DYNAMIC, 2)))
+    compiled = CompiledUnits(
+        (unit(tmp_path, DYNAMIC, 0, 2.0), unit(tmp_path, DYNAMIC, 1, 3.0), unit(tmp_path, DYNAMIC, 2))
+    )
     speed = {0: 5.0, 1: 2.0, 2: 4.0}
     result = tune_variants(
         profile,
@@ -83,7 +85,11 @@ def test_tuning_keeps_the_fastest_candidate_under_the_variants_own_name(tmp_path
     (kept,) = result.kept
     assert kept.candidate == 1 and kept.package.path == tmp_path / "dynamic.pt2" and kept.package.path.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dynamic.pt2"]  # the losers are deleted
-    assert [(t.candidate, t.ms, t.kept, t.compile_s) for t in result.trials] == [(0, 5.0, False, 2.0), (1, 2.0, True, 3.0), (2, 4.0, False, 1.0)]
+    assert [(t.candidate, t.ms, t.kept, t.compile_s) for t in result.trials] == [
+        (0, 5.0, False, 2.0),
+        (1, 2.0, True, 3.0),
+        (2, 4.0, False, 1.0),
+    ]
 
 
 def test_a_candidate_that_did_not_compile_or_disagrees_with_eager_loses(tmp_path, profile, model):
@@ -96,9 +102,22 @@ def test_a_candidate_that_did_not_compile_or_disagrees_with_eager_loses(tmp_path
             raise CheckError("variant dynamic: compiled differs from eager")
         return 9.0, 1e-6
 
-    result = tune_variants(profile, model, [DYNAMIC], compiled, [{}, {"a": 1}, {"b": 2}], {}, open_runner=runners(model, {}), measure_unit=measure_unit)
+    result = tune_variants(
+        profile,
+        model,
+        [DYNAMIC],
+        compiled,
+        [{}, {"a": 1}, {"b": 2}],
+        {},
+        open_runner=runners(model, {}),
+        measure_unit=measure_unit,
+    )
     assert result.kept[0].candidate == 0
-    assert [t.error for t in result.trials] == [None, "CompileError: no kernel", "variant dynamic: compiled differs from eager"]
+    assert [t.error for t in result.trials] == [
+        None,
+        "CompileError: no kernel",
+        "variant dynamic: compiled differs from eager",
+    ]
 
 
 def test_tuning_with_no_candidate_left_names_every_reason(tmp_path, profile, model):
@@ -107,15 +126,33 @@ def test_tuning_with_no_candidate_left_names_every_reason(tmp_path, profile, mod
     def measure_unit(run, u, shapes):
         raise RuntimeError("the runner crashed")
 
-    with pytest.raises(CheckError, match=r"no tuning candidate compiled and matched eager \(candidate 0 \{\}: the runner crashed; candidate 1"):
-        tune_variants(profile, model, [DYNAMIC], compiled, [{}, {"a": 1}], {}, open_runner=runners(model, {}), measure_unit=measure_unit)
+    with pytest.raises(
+        CheckError,
+        match=r"no tuning candidate compiled and matched eager \(candidate 0 \{\}: the runner crashed; candidate 1",
+    ):
+        tune_variants(
+            profile,
+            model,
+            [DYNAMIC],
+            compiled,
+            [{}, {"a": 1}],
+            {},
+            open_runner=runners(model, {}),
+            measure_unit=measure_unit,
+        )
 
 
 def test_tuning_measures_each_candidate_against_eager_on_its_traffic(tmp_path, profile, model):
     """The real measure: a runner off by more than the tolerance is refused, one equal to eager timed."""
     compiled = CompiledUnits((unit(tmp_path, DYNAMIC, 0), unit(tmp_path, DYNAMIC, 1)))
     result = tune_variants(
-        profile, model, [DYNAMIC], compiled, [{}, {"a": 1}], {(4,): 10}, open_runner=runners(model, {"dynamic.c1.pt2": 0.5})
+        profile,
+        model,
+        [DYNAMIC],
+        compiled,
+        [{}, {"a": 1}],
+        {(4,): 10},
+        open_runner=runners(model, {"dynamic.c1.pt2": 0.5}),
     )
     first, second = result.trials
     assert first.kept and first.ms > 0 and first.max_abs_error == 0.0
@@ -141,12 +178,18 @@ def fake_clock(ms: dict[int, float]):
 
 def test_the_gate_keeps_an_accurate_and_faster_lower_precision(tmp_path, profile, model):
     units = [unit(tmp_path, DYNAMIC), unit(tmp_path, INT8)]
-    outcome = gate_precisions(profile, model, units, {}, [], open_runner=runners(model, {}), timer=fake_clock({0: 2.0, 1: 1.0}))
+    outcome = gate_precisions(
+        profile, model, units, {}, [], open_runner=runners(model, {}), timer=fake_clock({0: 2.0, 1: 1.0})
+    )
     assert [u.variant.id for u in outcome.kept] == ["dynamic", "int8-dynamic"]
     (result,) = outcome.results
     assert result.kept and result.against == "dynamic" and result.speedup == 2.0
-    assert result.accuracy == [{"output": 0, "metric": "cosine", "threshold": 0.99, "value": pytest.approx(1.0), "passed": True}]
-    assert result.samples == len(fallback_inputs(profile, INT8.ranges))  # no calibration sample: the range ends and inside
+    assert result.accuracy == [
+        {"output": 0, "metric": "cosine", "threshold": 0.99, "value": pytest.approx(1.0), "passed": True}
+    ]
+    assert result.samples == len(
+        fallback_inputs(profile, INT8.ranges)
+    )  # no calibration sample: the range ends and inside
 
 
 def test_the_gate_drops_an_inaccurate_one_and_deletes_its_file(tmp_path, profile, model):
@@ -157,7 +200,9 @@ def test_the_gate_drops_an_inaccurate_one_and_deletes_its_file(tmp_path, profile
         run = noisy(pkg, device)
         return (lambda *args: [-t for t in run(*args)]) if pkg.path.name.startswith("int8") else run
 
-    outcome = gate_precisions(profile, model, units, {}, [], open_runner=open_runner, timer=fake_clock({0: 2.0, 1: 1.0}))
+    outcome = gate_precisions(
+        profile, model, units, {}, [], open_runner=open_runner, timer=fake_clock({0: 2.0, 1: 1.0})
+    )
     assert [u.variant.id for u in outcome.kept] == ["dynamic"]
     (result,) = outcome.results
     assert not result.kept and result.reason.endswith("< 0.99 (accuracy gate)") and result.ms is None
@@ -166,7 +211,9 @@ def test_the_gate_drops_an_inaccurate_one_and_deletes_its_file(tmp_path, profile
 
 def test_the_gate_drops_one_that_is_not_faster(tmp_path, profile, model):
     units = [unit(tmp_path, DYNAMIC), unit(tmp_path, INT8)]
-    outcome = gate_precisions(profile, model, units, {}, [], open_runner=runners(model, {}), timer=fake_clock({0: 1.0, 1: 1.0}))
+    outcome = gate_precisions(
+        profile, model, units, {}, [], open_runner=runners(model, {}), timer=fake_clock({0: 1.0, 1: 1.0})
+    )
     (result,) = outcome.results
     assert not result.kept and result.reason == "not faster than fp32 (1.000 vs 1.000 ms, accuracy.min_speedup)"
     assert [u.variant.id for u in outcome.kept] == ["dynamic"]
@@ -175,7 +222,13 @@ def test_the_gate_drops_one_that_is_not_faster(tmp_path, profile, model):
 def test_the_gate_measures_on_the_calibration_samples_inside_the_variant(tmp_path, profile, model):
     samples = [({"batch": 2}, (torch.ones(2, 4),)), ({"batch": 20}, (torch.ones(20, 4),))]
     outcome = gate_precisions(
-        profile, model, [unit(tmp_path, DYNAMIC), unit(tmp_path, INT8)], {}, samples, open_runner=runners(model, {}), timer=fake_clock({0: 2.0, 1: 1.0})
+        profile,
+        model,
+        [unit(tmp_path, DYNAMIC), unit(tmp_path, INT8)],
+        {},
+        samples,
+        open_runner=runners(model, {}),
+        timer=fake_clock({0: 2.0, 1: 1.0}),
     )
     assert outcome.results[0].samples == 1
 
@@ -192,9 +245,20 @@ class FakeCompiled:
         from loader.manifest import DimRange, Variant
 
         def variant(vid, kind, lo, hi):
-            return Variant(id=vid, kind=kind, file=f"variants/{vid}.pt2", dims={"batch": DimRange(lo, hi)}, hint={"batch": lo}, constants=())
+            return Variant(
+                id=vid,
+                kind=kind,
+                file=f"variants/{vid}.pt2",
+                dims={"batch": DimRange(lo, hi)},
+                hint={"batch": lo},
+                constants=(),
+            )
 
-        self.variants = [variant("static-0", "static", 2, 2), variant("static-1", "static", 16, 16), variant("dynamic", "dynamic", 1, 8)]
+        self.variants = [
+            variant("static-0", "static", 2, 2),
+            variant("static-1", "static", 16, 16),
+            variant("dynamic", "dynamic", 1, 8),
+        ]
         self.calls: list[str] = []
 
     def run_variant(self, vid, *args):
@@ -207,7 +271,11 @@ def test_static_variants_are_kept_only_where_they_pay(profile):
     (timing,) = measure_statics(compiled, profile, timer=fake_clock({0: 1.0, 1: 1.5}))  # static-1: no dynamic serves 16
     assert (timing.variant, timing.against, timing.speedup, timing.kept) == ("static-0", "dynamic", 1.5, True)
     assert compiled.calls == ["static-0", "dynamic"]
-    slow = measure_statics(FakeCompiled(), profile.model_copy(update={"plan": profile.plan.model_copy(update={"min_speedup": 2.0})}), timer=fake_clock({0: 1.0, 1: 1.5}))
+    slow = measure_statics(
+        FakeCompiled(),
+        profile.model_copy(update={"plan": profile.plan.model_copy(update={"min_speedup": 2.0})}),
+        timer=fake_clock({0: 1.0, 1: 1.5}),
+    )
     assert not slow[0].kept and slow[0].describe() == "static-0: 1.000 ms static vs 1.500 ms dynamic (1.50×) → dropped"
     int8_twin = VariantPlan("int8-static-0", "static", {"batch": (2, 2)}, {"batch": 2}, precision="int8")
     assert dropped_variants(slow, [STATIC, DYNAMIC, int8_twin]) == {"static-0", "int8-static-0"}
@@ -238,7 +306,9 @@ def context(profile: Profile, model, candidates, tune=None) -> BuildContext:
     from precompile.stages.plan import plan_variants
 
     loaded = LoadedProfile(profile=profile, path=Path("stages.yaml"))
-    return BuildContext(loaded, model, {}, plan_variants(profile, {}), ("cpu",), None, (DYNAMIC,), tuple(candidates), None)
+    return BuildContext(
+        loaded, model, {}, plan_variants(profile, {}), ("cpu",), None, (DYNAMIC,), tuple(candidates), None
+    )
 
 
 class FakeExecutor:
@@ -275,19 +345,32 @@ def test_a_first_candidate_failing_fails_the_build_and_a_budget_skips_later_ones
 
     ctx = context(profile, model, [{}, {"a": 1}])
     with pytest.raises(CompileError, match="no kernel"):
-        compile_units(ctx, compile_tasks([DYNAMIC], ctx.candidates), tmp_path, jobs=1, progress=Progress(), executor=FakeExecutor({0: CompileError("no kernel")}))
+        compile_units(
+            ctx,
+            compile_tasks([DYNAMIC], ctx.candidates),
+            tmp_path,
+            jobs=1,
+            progress=Progress(),
+            executor=FakeExecutor({0: CompileError("no kernel")}),
+        )
     ctx = context(profile, model, [{}, {"a": 1}], tune=TuneSpec(candidates=[{"a": 1}], max_seconds=1e-9))
     executor = FakeExecutor({0: UnitResult(unit(tmp_path, DYNAMIC, 0)), 1: UnitResult(unit(tmp_path, DYNAMIC, 1))})
-    units = compile_units(ctx, compile_tasks([DYNAMIC], ctx.candidates), tmp_path, jobs=1, progress=Progress(), executor=executor)
+    units = compile_units(
+        ctx, compile_tasks([DYNAMIC], ctx.candidates), tmp_path, jobs=1, progress=Progress(), executor=executor
+    )
     assert executor.seen == [("dynamic", 0)]
     assert units.failed == (FailedUnit("dynamic", 1, "not compiled: compile.tune.max_seconds (1e-09 s) reached"),)
 
 
 def test_a_profile_error_in_a_later_candidate_still_fails_the_build(tmp_path, profile, model):
     ctx = context(profile, model, [{}, {"a": 1}])
-    executor = FakeExecutor({0: UnitResult(unit(tmp_path, DYNAMIC, 0)), 1: ProfileError("p.yaml", [("inputs.x", "bad")])})
+    executor = FakeExecutor(
+        {0: UnitResult(unit(tmp_path, DYNAMIC, 0)), 1: ProfileError("p.yaml", [("inputs.x", "bad")])}
+    )
     with pytest.raises(ProfileError):
-        compile_units(ctx, compile_tasks([DYNAMIC], ctx.candidates), tmp_path, jobs=1, progress=Progress(), executor=executor)
+        compile_units(
+            ctx, compile_tasks([DYNAMIC], ctx.candidates), tmp_path, jobs=1, progress=Progress(), executor=executor
+        )
 
 
 # --- the context and the comparison -------------------------------------------------------------
@@ -297,7 +380,9 @@ def test_the_context_draws_its_calibration_samples_once(profile, model, monkeypa
     import precompile.context as context_module
 
     calls = []
-    monkeypatch.setattr(context_module, "calibration_inputs", lambda loaded, traffic: calls.append(traffic) or [({"batch": 2}, ())])
+    monkeypatch.setattr(
+        context_module, "calibration_inputs", lambda loaded, traffic: calls.append(traffic) or [({"batch": 2}, ())]
+    )
     ctx = context(profile, model, [{}])
     assert ctx.calibration is ctx.calibration and len(calls) == 1
     assert ctx.with_batching(None).calibration is ctx.calibration and len(calls) == 1

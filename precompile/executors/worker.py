@@ -50,12 +50,18 @@ def compile_unit(
         if vp.precision == "fp32":
             ep = export_variant(model, loaded.profile, vp, hint)
         else:
-            samples = calibration() if calibration is not None else calibration_inputs(loaded, read_distribution(loaded))
+            samples = (
+                calibration() if calibration is not None else calibration_inputs(loaded, read_distribution(loaded))
+            )
             ep = quantize(model, loaded.profile, vp, hint, samples)
         tables = index_tables(ep, loaded.profile)
         check_declared_ranges(loaded, tables)  # a range past a table is the profile's error: before compiling
         pkg = compile_package(
-            ep, staging / C.VARIANTS_DIR / task.file, task.options, device=vp.device, multi_arch=loaded.profile.cuda.multi_arch
+            ep,
+            staging / C.VARIANTS_DIR / task.file,
+            task.options,
+            device=vp.device,
+            multi_arch=loaded.profile.cuda.multi_arch,
         )
     except PrecompileError as e:
         if isinstance(e, ProfileError):

@@ -87,7 +87,9 @@ def _plan_problems(profile: Profile) -> list[tuple[str, str]]:
         elif policy == "split":
             for i, out in enumerate(profile.outputs or []):
                 if d not in out.shape:
-                    problems.append((place, f"split needs every output to follow {d!r}; outputs[{i}] has shape {out.shape}"))
+                    problems.append(
+                        (place, f"split needs every output to follow {d!r}; outputs[{i}] has shape {out.shape}")
+                    )
     for name in profile.policy.pad_value:
         if name not in profile.inputs:
             problems.append((f"policy.pad_value.{name}", f"unknown input (inputs: {', '.join(profile.inputs)})"))
@@ -98,7 +100,9 @@ def _plan_problems(profile: Profile) -> list[tuple[str, str]]:
             continue
         for p in points:
             if not profile.dims[d].min <= p <= profile.dims[d].max:
-                problems.append((f"plan.ranges.{d}", f"split point {p} is outside [{profile.dims[d].min}, {profile.dims[d].max}]"))
+                problems.append(
+                    (f"plan.ranges.{d}", f"split point {p} is outside [{profile.dims[d].min}, {profile.dims[d].max}]")
+                )
     return problems
 
 
@@ -113,7 +117,10 @@ def pad_value_problems(profile: Profile) -> list[tuple[str, str]]:
         value = profile.policy.pad_value.get(name, 0.0)
         if not spec.range[0] <= value <= spec.range[1]:
             problems.append(
-                (f"policy.pad_value.{name}", f"{value:g} is outside inputs.{name}.range [{spec.range[0]:g}, {spec.range[1]:g}]")
+                (
+                    f"policy.pad_value.{name}",
+                    f"{value:g} is outside inputs.{name}.range [{spec.range[0]:g}, {spec.range[1]:g}]",
+                )
             )
     return problems
 
@@ -148,16 +155,24 @@ def batching_problems(profile: Profile) -> list[tuple[str, str]]:
             if len(axes) != 1:
                 where = "no axis" if not axes else f"axes {', '.join(map(str, axes))}"
                 problems.append(
-                    ("batching.dim", f"input {name!r} (shape {inp.shape}) has {spec.dim!r} on {where}; every input needs it on exactly one axis")
+                    (
+                        "batching.dim",
+                        f"input {name!r} (shape {inp.shape}) has {spec.dim!r} on {where}; every input needs it on exactly one axis",
+                    )
                 )
         if profile.outputs is None:
-            problems.append(("batching", "needs `outputs:` to say which output axes follow the batch dim and the padded dims"))
+            problems.append(
+                ("batching", "needs `outputs:` to say which output axes follow the batch dim and the padded dims")
+            )
         for i, out in enumerate(profile.outputs or []):
             axes = [axis for axis, s in enumerate(out.shape) if s == spec.dim]
             if len(axes) != 1:
                 where = "no axis" if not axes else f"axes {', '.join(map(str, axes))}"
                 problems.append(
-                    ("batching.dim", f"outputs[{i}] (shape {out.shape}) follows {spec.dim!r} on {where}; each caller's rows are cut from exactly one axis of every output")
+                    (
+                        "batching.dim",
+                        f"outputs[{i}] (shape {out.shape}) follows {spec.dim!r} on {where}; each caller's rows are cut from exactly one axis of every output",
+                    )
                 )
     for i, d in enumerate(spec.pad):
         place = f"batching.pad[{i}]"
@@ -173,7 +188,9 @@ def batching_problems(profile: Profile) -> list[tuple[str, str]]:
         if name not in profile.inputs:
             problems.append((place, f"unknown input (inputs: {', '.join(profile.inputs)})"))
         elif name not in values:
-            problems.append((place, f"input {name!r} has none of the padded dims ({', '.join(spec.pad) or 'none listed'})"))
+            problems.append(
+                (place, f"input {name!r} has none of the padded dims ({', '.join(spec.pad) or 'none listed'})")
+            )
     for name, value in values.items():
         inp = profile.inputs[name]
         place = f"batching.pad_value.{name}"
@@ -183,7 +200,10 @@ def batching_problems(profile: Profile) -> list[tuple[str, str]]:
             problems.append((place, f"{value:g}: an {inp.dtype} input pads with a whole number"))
         elif inp.dtype in _INT_LIMITS and inp.range is not None and not inp.range[0] <= value <= inp.range[1]:
             problems.append(
-                (place, f"{value:g} is outside inputs.{name}.range [{inp.range[0]:g}, {inp.range[1]:g}]: the loader refuses such values, widen the range to hold it")
+                (
+                    place,
+                    f"{value:g} is outside inputs.{name}.range [{inp.range[0]:g}, {inp.range[1]:g}]: the loader refuses such values, widen the range to hold it",
+                )
             )
     return problems
 
@@ -194,20 +214,34 @@ def precision_problems(profile: Profile, folder: Path) -> list[tuple[str, str]]:
     if isinstance(profile.precision, dict):
         for device, listed in profile.precision.items():
             if device not in profile.targets:
-                problems.append((f"precision.{device}", f"{device} is not a target (target: {', '.join(profile.targets)})"))
+                problems.append(
+                    (f"precision.{device}", f"{device} is not a target (target: {', '.join(profile.targets)})")
+                )
             if device == "cuda" and set(listed) - {"fp32"}:
                 problems.append(
-                    ("precision.cuda", "CUDA variants compute in cuda.dtype: list only fp32 here and set cuda.dtype: bfloat16 or float16")
+                    (
+                        "precision.cuda",
+                        "CUDA variants compute in cuda.dtype: list only fp32 here and set cuda.dtype: bfloat16 or float16",
+                    )
                 )
     elif set(profile.precision) - {"fp32"} and profile.targets == ("cuda",):
-        problems.append(("precision", "bf16 and int8 variants are built for CPU targets; for CUDA set cuda.dtype instead"))
+        problems.append(
+            ("precision", "bf16 and int8 variants are built for CPU targets; for CUDA set cuda.dtype instead")
+        )
     wanted = {p for d in profile.targets for p in profile.precisions(d)}
     if "int8" in wanted:
         import importlib.util
 
         if importlib.util.find_spec("torchao") is None:
-            problems.append(("precision", "int8 variants are quantized with torchao, which is not installed: pip install 'precompile[quant]'"))
-    rules = [("accuracy", profile.accuracy)] + [(f"accuracy.outputs.{i}", r) for i, r in profile.accuracy.outputs.items()]
+            problems.append(
+                (
+                    "precision",
+                    "int8 variants are quantized with torchao, which is not installed: pip install 'precompile[quant]'",
+                )
+            )
+    rules = [("accuracy", profile.accuracy)] + [
+        (f"accuracy.outputs.{i}", r) for i, r in profile.accuracy.outputs.items()
+    ]
     for where, rule in rules:
         if rule.metric in ("cosine", "top1") and not -1.0 <= rule.threshold <= 1.0:
             problems.append((f"{where}.threshold", f"{rule.metric} is at most 1; {rule.threshold} can never pass"))

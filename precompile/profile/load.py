@@ -35,7 +35,9 @@ def load_profile(path: str | Path) -> LoadedProfile:
         profile = Profile.model_validate(raw)
     except ValidationError as e:
         raise ProfileError(source, validation_problems(e.errors())) from None
-    problems = semantic_problems(profile) + inductor_option_problems(profile.compile.inductor) + tune_problems(profile.compile)
+    problems = (
+        semantic_problems(profile) + inductor_option_problems(profile.compile.inductor) + tune_problems(profile.compile)
+    )
     problems += precision_problems(profile, path.parent)
     if profile.model.weights is not None and not (path.parent / profile.model.weights).is_file():
         problems.append(("model.weights", f"file not found: {path.parent / profile.model.weights}"))
@@ -52,6 +54,7 @@ def validation_problems(errors: list[dict]) -> list[tuple[str, str]]:
     for err in errors:
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
         out.append((loc, err))
+
     def form_error(loc: tuple, err: dict) -> bool:
         return err["type"] in ("dict_type", "list_type") and len(loc) < len(err["loc"])
 
@@ -60,7 +63,9 @@ def validation_problems(errors: list[dict]) -> list[tuple[str, str]]:
         if form_error(loc, err):
             if any(l2[: len(loc)] == loc and not form_error(l2, e2) for l2, e2 in out):
                 continue  # the user wrote the other form, whose own errors say what is wrong
-            shown.append((_place(loc), "expected a list (e.g. [fp32, int8]) or a mapping per target (e.g. {cpu: [int8]})"))
+            shown.append(
+                (_place(loc), "expected a list (e.g. [fp32, int8]) or a mapping per target (e.g. {cpu: [int8]})")
+            )
             continue
         shown.append((_place(loc), _message(err)))
     return list(dict.fromkeys(shown))

@@ -64,17 +64,23 @@ class DimSpec(_Strict):
     min: int = Field(ge=0, description="smallest size served")
     max: int = Field(ge=1, description="largest size served")
     hint: Optional[int] = Field(
-        default=None, ge=2, description="size to export and tune with (default: geometric mean of min and max, at least 2)"
+        default=None,
+        ge=2,
+        description="size to export and tune with (default: geometric mean of min and max, at least 2)",
     )
 
 
 class TuneSpec(_Strict):
-    preset: Optional[str] = Field(default=None, description="a named list of candidates (README: Choosing compile options)")
+    preset: Optional[str] = Field(
+        default=None, description="a named list of candidates (README: Choosing compile options)"
+    )
     candidates: list[dict[str, Any]] = Field(
         default_factory=list, description="Inductor option sets to try, each merged over compile.inductor"
     )
     max_seconds: Optional[float] = Field(
-        default=None, gt=0, description="stop compiling further candidates after this long; the first candidate always compiles"
+        default=None,
+        gt=0,
+        description="stop compiling further candidates after this long; the first candidate always compiles",
     )
 
 
@@ -131,7 +137,9 @@ class PlanSpec(_Strict):
         default_factory=dict, description="split points per dim: one dynamic variant per sub-range"
     )
     measure: bool = Field(default=False, description="time static candidates at build time, keep those that pay")
-    min_speedup: float = Field(default=1.05, ge=1.0, description="with measure: minimum speedup over the dynamic variant")
+    min_speedup: float = Field(
+        default=1.05, ge=1.0, description="with measure: minimum speedup over the dynamic variant"
+    )
 
 
 class PolicySpec(_Strict):
@@ -170,9 +178,7 @@ class AccuracyRule(_Strict):
             "absolute difference; top1: share of rows whose argmax over the last axis agrees"
         ),
     )
-    threshold: float = Field(
-        default=0.99, description="cosine and top1: at least this; max_abs: at most this"
-    )
+    threshold: float = Field(default=0.99, description="cosine and top1: at least this; max_abs: at most this")
 
 
 class AccuracySpec(AccuracyRule):
@@ -228,7 +234,9 @@ class CudaSpec(_Strict):
     multi_arch: bool = Field(
         default=True, description="emit PTX beside SASS (aot_inductor.emit_multi_arch_kernel), so newer GPUs run it too"
     )
-    cuda_graphs: bool = Field(default=False, description="capture one CUDA graph per static variant at warm-up and replay it")
+    cuda_graphs: bool = Field(
+        default=False, description="capture one CUDA graph per static variant at warm-up and replay it"
+    )
 
 
 class Profile(_Strict):
@@ -251,19 +259,24 @@ class Profile(_Strict):
         default_factory=AccuracySpec, description="the gate a bf16 or int8 variant must pass against fp32 eager"
     )
     calibration: CalibrationSpec = Field(
-        default_factory=CalibrationSpec, description="inputs the gate measures accuracy on and int8 static calibrates with"
+        default_factory=CalibrationSpec,
+        description="inputs the gate measures accuracy on and int8 static calibrates with",
     )
-    quantization: QuantizationSpec = Field(default_factory=QuantizationSpec, description="how int8 variants are quantized")
+    quantization: QuantizationSpec = Field(
+        default_factory=QuantizationSpec, description="how int8 variants are quantized"
+    )
     compile: CompileSpec = Field(default_factory=CompileSpec)
     check: CheckSpec = Field(default_factory=CheckSpec)
     distribution: DistributionSpec = Field(default_factory=DistributionSpec, description="observed traffic")
     outputs: Optional[list[OutputDecl]] = Field(
-        default=None, description="flat outputs in order; named dims say which output axes follow input dims (pad/split)"
+        default=None,
+        description="flat outputs in order; named dims say which output axes follow input dims (pad/split)",
     )
     plan: PlanSpec = Field(default_factory=PlanSpec)
     policy: PolicySpec = Field(default_factory=PolicySpec)
     batching: Optional[BatchingSpec] = Field(
-        default=None, description="how loader.Batcher may batch concurrent calls: the batch dim, and the dims it may pad"
+        default=None,
+        description="how loader.Batcher may batch concurrent calls: the batch dim, and the dims it may pad",
     )
 
     @property
@@ -285,7 +298,10 @@ class Profile(_Strict):
 
     def tolerance(self, dtype: str) -> tuple[float, float]:
         atol, rtol = DEFAULT_TOLERANCE.get(dtype, (0.0, 0.0))
-        return (self.check.atol if self.check.atol is not None else atol, self.check.rtol if self.check.rtol is not None else rtol)
+        return (
+            self.check.atol if self.check.atol is not None else atol,
+            self.check.rtol if self.check.rtol is not None else rtol,
+        )
 
 
 class LoadedProfile(BaseModel):

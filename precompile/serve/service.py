@@ -113,7 +113,9 @@ class Service:
         if refused.code is not Code.INTERNAL:  # a server fault was logged with its traceback already
             level = logging.WARNING if refused.code is Code.UNAVAILABLE else logging.INFO
             what = " ".join(str(refused).split())[:200]  # one line, whatever the message holds
-            log.log(level, "%s %s: %d %s: %s", scope.get("method"), path, status, refused.reason or refused.code.value, what)
+            log.log(
+                level, "%s %s: %d %s: %s", scope.get("method"), path, status, refused.reason or refused.code.value, what
+            )
         return JSONResponse(protocol.body(refused), status_code=status)
 
     # --- predict -------------------------------------------------------------------------------
@@ -136,13 +138,21 @@ class Service:
         outputs, variant, serving = await self.call(inputs, request)
         return await run_in_threadpool(self._predicted, outputs, variant, serving, inputs, start)
 
-    def _predicted(self, outputs: Any, variant: str, serving: Serving, inputs: dict[str, Any], start: float) -> Response:
+    def _predicted(
+        self, outputs: Any, variant: str, serving: Serving, inputs: dict[str, Any], start: float
+    ) -> Response:
         try:
             payload = dumps(
-                {"outputs": to_json(outputs), "artifact": {"name": serving.name, "version": serving.version}, "variant": variant}
+                {
+                    "outputs": to_json(outputs),
+                    "artifact": {"name": serving.name, "version": serving.version},
+                    "variant": variant,
+                }
             )
         except ValueError:
-            raise Refused(Code.INVALID_ARGUMENT, "the outputs hold NaN or infinity, which JSON cannot carry", "non_finite_output") from None
+            raise Refused(
+                Code.INVALID_ARGUMENT, "the outputs hold NaN or infinity, which JSON cannot carry", "non_finite_output"
+            ) from None
         self.count_served(serving, variant, inputs, start)
         return Response(payload, media_type="application/json")
 

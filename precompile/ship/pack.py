@@ -19,7 +19,9 @@ def default_pack_path(artifact: Path) -> Path:
     return artifact.with_name(artifact.name + C.PACK_SUFFIX)
 
 
-def pack(artifact: str | os.PathLike, output: str | os.PathLike | None = None, *, level: int = 3, threads: int = 0) -> Path:
+def pack(
+    artifact: str | os.PathLike, output: str | os.PathLike | None = None, *, level: int = 3, threads: int = 0
+) -> Path:
     """Write the artifact folder as one pack file (default: ``<folder>.tar.zst`` beside it).
 
     Every file is checked against the manifest as it is packed, and a signature, if present, must

@@ -67,7 +67,9 @@ def push(artifact: str | os.PathLike, url: str, *, level: int = 3) -> Pushed:
     """
     artifact = Path(artifact)
     with tempfile.TemporaryDirectory(prefix="precompile-push-") as scratch:
-        pack_path = pack(artifact, Path(scratch) / f"pack{C.PACK_SUFFIX}", level=level) if artifact.is_dir() else artifact
+        pack_path = (
+            pack(artifact, Path(scratch) / f"pack{C.PACK_SUFFIX}", level=level) if artifact.is_dir() else artifact
+        )
         head = verify_pack(pack_path)  # nothing corrupt is published
         name, version = head.manifest.name, head.manifest.version
         folder = f"{url.rstrip('/')}/{name}"
@@ -133,17 +135,23 @@ def pull(url: str, *, version: int | None = None, output: str | os.PathLike | No
         if entry is None:
             raise PrecompileError(f"{url}: no version {version} (published: {', '.join(map(str, index.versions))})")
         source = f"{url.rstrip('/')}/{entry.file}"
-    default = source.rsplit("/", 1)[-1] if entry is None else f"{url.rstrip('/').rsplit('/', 1)[-1]}-{version}{C.PACK_SUFFIX}"
+    default = (
+        source.rsplit("/", 1)[-1] if entry is None else f"{url.rstrip('/').rsplit('/', 1)[-1]}-{version}{C.PACK_SUFFIX}"
+    )
     target = Path(output) if output is not None else Path(default)
     fs, path = filesystem(source)
     _, size = stat(fs, path, source)
     if entry is not None and size != entry.size:
-        raise PrecompileError(f"{source}: {size} bytes in the store, {INDEX_FILE} records {entry.size} (changed in the store, or corrupt)")
+        raise PrecompileError(
+            f"{source}: {size} bytes in the store, {INDEX_FILE} records {entry.size} (changed in the store, or corrupt)"
+        )
     writer = atomic_output(target)
     with writer as out:
         sha256 = download(fs, path, source, out.write, size)
         if entry is not None and sha256 != entry.sha256:
-            raise PrecompileError(f"{source}: its sha256 is not the one in {INDEX_FILE} (changed in the store, or corrupt)")
+            raise PrecompileError(
+                f"{source}: its sha256 is not the one in {INDEX_FILE} (changed in the store, or corrupt)"
+            )
         out.flush()
         head = verify_pack(writer.tmp)
     return target, head.manifest.version
@@ -159,7 +167,9 @@ def promote(url: str, version: int, *, pointer: str = POINTER) -> tuple[str, str
     Everything is checked before the pointer is written; a refused deploy leaves the store as it was
     (a pointer the store does not hand back is put back as it was). Returns (pointer URL, pack URL)."""
     if not pointer or "/" in pointer or pointer.endswith(C.PACK_SUFFIX) or pointer == INDEX_FILE:
-        raise PrecompileError(f"--pointer {pointer!r}: a plain object name in the model's folder (such as current or canary)")
+        raise PrecompileError(
+            f"--pointer {pointer!r}: a plain object name in the model's folder (such as current or canary)"
+        )
     folder = url.rstrip("/")
     index = read_index(folder)
     entry = index.get(version)
@@ -189,7 +199,9 @@ def _check_published(pack_url: str, entry: IndexEntry) -> None:
     fs, path = filesystem(pack_url)
     _, size = stat(fs, path, pack_url)  # the pack is there: a MissingObjectError names it otherwise
     if size != entry.size:
-        raise PrecompileError(f"{pack_url}: {size} bytes in the store, {INDEX_FILE} records {entry.size}; push it again or fix the index")
+        raise PrecompileError(
+            f"{pack_url}: {size} bytes in the store, {INDEX_FILE} records {entry.size}; push it again or fix the index"
+        )
     head = read_remote_head(pack_url)
     if head.digest != entry.digest or head.manifest.version != entry.version:
         raise PrecompileError(

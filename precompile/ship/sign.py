@@ -31,8 +31,12 @@ def keygen(prefix: str | os.PathLike, *, force: bool = False) -> tuple[Path, Pat
         if path.exists() and not force:
             raise PrecompileError(f"{path}: exists; refusing to overwrite a key (choose another -o, or --force)")
     key = Ed25519PrivateKey.generate()
-    private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    public_pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     try:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -61,13 +65,19 @@ def load_private_key(path: str | os.PathLike) -> Any:
         else:
             key = serialization.load_pem_private_key(data, password=None)
     except TypeError:
-        raise PrecompileError(f"--key {path}: the key is encrypted; give an unencrypted key (keep it in your CI's secret store)") from None
+        raise PrecompileError(
+            f"--key {path}: the key is encrypted; give an unencrypted key (keep it in your CI's secret store)"
+        ) from None
     except ValueError as e:
         if b"PUBLIC KEY" in data or data.lstrip().startswith(b"ssh-ed25519"):
-            raise PrecompileError(f"--key {path}: a public key; signing needs the private one (the .key file)") from None
+            raise PrecompileError(
+                f"--key {path}: a public key; signing needs the private one (the .key file)"
+            ) from None
         raise PrecompileError(f"--key {path}: not a PEM or OpenSSH private key ({e})") from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise PrecompileError(f"--key {path}: a {type(key).__name__}; signatures use Ed25519 keys (`precompile keygen`)")
+        raise PrecompileError(
+            f"--key {path}: a {type(key).__name__}; signatures use Ed25519 keys (`precompile keygen`)"
+        )
     return key
 
 

@@ -75,7 +75,13 @@ def verify(
     except LoaderError as e:
         checks.append(Check("manifest", "FAIL", str(e)))
         return skipped(*later, why="needs a readable manifest")
-    checks.append(Check("manifest", "ok", f"{manifest.name} version {manifest.version}, sha256 {manifest_digest(manifest_bytes)[:16]}"))
+    checks.append(
+        Check(
+            "manifest",
+            "ok",
+            f"{manifest.name} version {manifest.version}, sha256 {manifest_digest(manifest_bytes)[:16]}",
+        )
+    )
 
     try:
         if path.is_file():
@@ -91,7 +97,9 @@ def verify(
 
     try:
         check_expiry(manifest, str(path), now)
-        checks.append(Check("expiry", "ok", f"valid until {manifest.expires}" if manifest.expires else "no expiry date"))
+        checks.append(
+            Check("expiry", "ok", f"valid until {manifest.expires}" if manifest.expires else "no expiry date")
+        )
     except LoaderError as e:
         checks.append(Check("expiry", "FAIL", str(e)))
 
@@ -105,7 +113,9 @@ def verify(
     else:
         host = host_facts()
         code = manifest.target.aoti_cpu_isa or manifest.target.cpu_capability if device == "cpu" else "CUDA"
-        checks.append(Check("host", "ok", f"{device}: {code} code on {host.platform}/{host.machine}, torch {host.torch_version}"))
+        checks.append(
+            Check("host", "ok", f"{device}: {code} code on {host.platform}/{host.machine}, torch {host.torch_version}")
+        )
 
     if not run:
         checks.append(Check("run", "skip", "not asked for (--run recomputes the reference outputs here)"))
@@ -158,7 +168,11 @@ def _run_check(path: Path, manifest: Manifest, device: str, cache_dir: str | os.
         except Exception as e:  # compiled code failing here is what this check is for
             return Check("run", "FAIL", f"a variant failed on its hint shape: {type(e).__name__}: {e}")
         count = sum(v.device == kind for v in manifest.variants)
-        return Check("run", "ok", f"no reference outputs for {kind} in this artifact; ran each of {count} variant(s) on its hint shape")
+        return Check(
+            "run",
+            "ok",
+            f"no reference outputs for {kind} in this artifact; ran each of {count} variant(s) on its hint shape",
+        )
     checked = 0
     worst = 0.0
     try:
@@ -171,7 +185,9 @@ def _run_check(path: Path, manifest: Manifest, device: str, cache_dir: str | os.
         return Check("run", "FAIL", str(e))
     note = "".join(f"; {s}" for s in skipped)
     precisions = ", ".join(m.precision.order[0] for m in models)
-    return Check("run", "ok", f"{checked} reference output(s) recomputed ({precisions}), max abs error {worst:.1e}{note}")
+    return Check(
+        "run", "ok", f"{checked} reference output(s) recomputed ({precisions}), max abs error {worst:.1e}{note}"
+    )
 
 
 class ReferenceMismatch(PrecompileError):
@@ -192,7 +208,11 @@ def compare_references(model: loader.CompiledModel, entries: Any) -> float:
             inputs = [refs.tensors[name].to(model.device) for name in ins]
             wanted = [refs.tensors[name] for name in outs]
             tolerances = [(float(a), float(r)) for a, r in tolerance]
-            rules = [AccuracyRule(**rule) if rule["metric"] != "equal" else None for rule in entry["accuracy"]] if "accuracy" in entry else None
+            rules = (
+                [AccuracyRule(**rule) if rule["metric"] != "equal" else None for rule in entry["accuracy"]]
+                if "accuracy" in entry
+                else None
+            )
         except (KeyError, TypeError, ValueError, ValidationError) as e:
             raise ReferenceMismatch(f"{where}: malformed entry or missing tensor ({type(e).__name__}: {e})") from None
         try:
@@ -205,7 +225,9 @@ def compare_references(model: loader.CompiledModel, entries: Any) -> float:
             g = g.cpu()
             floating = g.is_floating_point() and w.is_floating_point()  # a lower compute dtype is fine
             if g.shape != w.shape or (not floating and g.dtype != w.dtype):
-                raise ReferenceMismatch(f"{where}: output {j} is {g.dtype} {tuple(g.shape)}, the reference {w.dtype} {tuple(w.shape)}")
+                raise ReferenceMismatch(
+                    f"{where}: output {j} is {g.dtype} {tuple(g.shape)}, the reference {w.dtype} {tuple(w.shape)}"
+                )
             if floating and rules is not None and j < len(rules) and rules[j] is not None:  # a bf16 or int8 variant
                 value = agreement(rules[j], w, g)
                 worst = max(worst, float((g.double() - w.double()).abs().max()) if g.numel() else 0.0)

@@ -111,7 +111,9 @@ def _store_constants(staging: Path, units: Sequence[CompiledUnit]) -> tuple[dict
         vp, pkg = u.variant, u.package
 
         def clashes(prefix: str) -> bool:
-            return any(prefix + n in constants and not _same(constants[prefix + n], t) for n, t in pkg.constants.items())
+            return any(
+                prefix + n in constants and not _same(constants[prefix + n], t) for n, t in pkg.constants.items()
+            )
 
         prefix = next(p for p in ("", f"{vp.device}.{vp.dtype or 'native'}/", f"{vp.id}/") if not clashes(p))
         for name, tensor in pkg.constants.items():

@@ -106,7 +106,11 @@ def check_policies(loaded: LoadedProfile, model: torch.nn.Module, staged: Staged
             try:
                 compare(profile, want, got, sizes, f"{variant} ({d}: {policy})", report, compute_dtype=dtype)
             except CheckError as e:
-                fix = "pad_value that leaves the results unchanged" if policy == "pad" else "model whose items are independent along it"
+                fix = (
+                    "pad_value that leaves the results unchanged"
+                    if policy == "pad"
+                    else "model whose items are independent along it"
+                )
                 problem = f"{policy} changes the results ({e}); use error for {d!r}, or a {fix}"
                 raise ProfileError(str(loaded.path), [(f"policy.out_of_range.{d}", problem)]) from None
 

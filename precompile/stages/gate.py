@@ -134,10 +134,13 @@ def _check_accuracy(
         return None
     failing = [a for a in result.accuracy if not a["passed"]]
     if failing:
-        result.reason = "; ".join(
-            f"output {a['output']}: {a['metric']} {a['value']:.4g} {'>' if a['metric'] == 'max_abs' else '<'} {a['threshold']}"
-            for a in failing
-        ) + " (accuracy gate)"
+        result.reason = (
+            "; ".join(
+                f"output {a['output']}: {a['metric']} {a['value']:.4g} {'>' if a['metric'] == 'max_abs' else '<'} {a['threshold']}"
+                for a in failing
+            )
+            + " (accuracy gate)"
+        )
         return None
     return run
 

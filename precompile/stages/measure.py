@@ -65,7 +65,9 @@ def measure_statics(
             seconds=seconds,
         )
         speedup = dynamic_ms / static_ms if static_ms > 0 else float("inf")
-        out.append(StaticTiming(v.id, sizes, static_ms, dynamic_ms, fallback.id, speedup, speedup >= profile.plan.min_speedup))
+        out.append(
+            StaticTiming(v.id, sizes, static_ms, dynamic_ms, fallback.id, speedup, speedup >= profile.plan.min_speedup)
+        )
     return out
 
 

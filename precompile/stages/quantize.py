@@ -72,7 +72,9 @@ def quantize(
             try:
                 quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
             except Exception as e:  # torchao raises many types
-                raise CompileError(f"int8 (dynamic, torchao) could not quantize the model: {type(e).__name__}: {e}") from None
+                raise CompileError(
+                    f"int8 (dynamic, torchao) could not quantize the model: {type(e).__name__}: {e}"
+                ) from None
         if not any(type(p).__name__ != "Parameter" for p in quantized.parameters()):
             raise CompileError(
                 "int8 (dynamic) quantizes Linear layers and the model has none: use quantization.int8: static "

@@ -22,7 +22,9 @@ from ..samples import make_inputs
 from ..units import VariantPlan
 
 
-def write_references(loaded: LoadedProfile, model: torch.nn.Module, folder: Path, plan: Sequence[VariantPlan]) -> list[dict[str, Any]]:
+def write_references(
+    loaded: LoadedProfile, model: torch.nn.Module, folder: Path, plan: Sequence[VariantPlan]
+) -> list[dict[str, Any]]:
     """A small input/output pair per variant (at its smallest shape), so a serving host can later
     check the artifact against what was built (``precompile verify --run``)."""
     profile = loaded.profile
@@ -43,7 +45,11 @@ def write_references(loaded: LoadedProfile, model: torch.nn.Module, folder: Path
             "outputs": outn,
             "device": vp.device,
             "tolerance": [
-                list(profile.tolerance(vp.dtype if vp.dtype and t.is_floating_point() else str(t.dtype).removeprefix("torch.")))
+                list(
+                    profile.tolerance(
+                        vp.dtype if vp.dtype and t.is_floating_point() else str(t.dtype).removeprefix("torch.")
+                    )
+                )
                 for t in outs
             ],
         }

@@ -121,7 +121,9 @@ def tune_variants(
     kept, trials = [], []
     for vp in variants:
         shapes = serving_shapes(vp, traffic, tuple(profile.dims))
-        mine = [_trial(vp, k, options, compiled, shapes, open_runner, measure_unit) for k, options in enumerate(candidates)]
+        mine = [
+            _trial(vp, k, options, compiled, shapes, open_runner, measure_unit) for k, options in enumerate(candidates)
+        ]
         best = choose(mine)
         winner = compiled.get(vp.id, best.candidate)
         assert winner is not None  # choose() only picks a candidate that compiled
