@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: venv venv-bench demo test bench bench-quick schema clean
+.PHONY: venv venv-bench demo test bench bench-quick schema wheels clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,11 @@ bench-quick: venv-bench
 # Regenerate profiles/schema.json from the profile models (a test keeps the two equal).
 schema: venv
 	$(VENV)/bin/precompile schema > profiles/schema.json
+
+# The wheels a lent GPU machine lacks (its Python 3.12, no network there) into .whl/, which the device
+# run carries (bench/results/gpu-check.md, "Next run"). Versions from constraints.txt.
+wheels:
+	scripts/fetch-wheels
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache

@@ -4,19 +4,59 @@
     model = loader.load("artifacts/text-classifier")
     logits = model(ids, mask)
 
+    model = loader.load_native("artifacts/text-classifier")   # numpy in and out, torch never imported
+    logits = model(ids_array, mask_array)
+
 This package imports torch, the standard library and nothing of the build side; it never compiles.
+``import loader`` itself imports neither torch nor numpy: the names that need torch (``load``,
+``CompiledModel``, batching, hot swap) import it when first used, and ``load_native`` only numpy.
 Reading a pack imports ``zstandard`` and checking a signature ``cryptography``, each only then.
 """
 
-from .batch import Batcher, BatcherClosed, BatcherFull
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import ArtifactError, GuardError, IncompatibleArtifactError, LoaderError
-from .live import Live, Serving, SwapError
 from .manifest import Manifest, parse_manifest
-from .model import CompiledModel, load
 from .traffic import TrafficFileError, TrafficRecorder
 from .trust import UntrustedArtifactError
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it, imported on first use (PEP 562).
+_LAZY = {
+    "Batcher": "batch",
+    "BatcherClosed": "batch",
+    "BatcherFull": "batch",
+    "CompiledModel": "model",
+    "load": "model",
+    "Live": "live",
+    "Serving": "live",
+    "SwapError": "live",
+    "NativeModel": "native",
+    "load_native": "native",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:  # a submodule not imported yet (`loader.model.open_package`), as before
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'loader' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ArtifactError",
@@ -29,11 +69,13 @@ __all__ = [
     "Live",
     "LoaderError",
     "Manifest",
+    "NativeModel",
     "Serving",
     "SwapError",
     "TrafficFileError",
     "TrafficRecorder",
     "UntrustedArtifactError",
     "load",
+    "load_native",
     "parse_manifest",
 ]

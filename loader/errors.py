@@ -29,7 +29,8 @@ class GuardError(LoaderError, ValueError):
     ``reason`` names the kind of problem in one word, for metrics and callers that branch on it:
     missing_input, too_many_inputs, unknown_input, duplicate_input, not_a_tensor, tensor_subclass,
     nested, layout, meta, quantized, neg_view, conj_view, dtype, device, rank, static_size, out_of_range,
-    dim_mismatch, not_contiguous, no_storage, value_range, no_variant, policy.
+    dim_mismatch, not_contiguous, no_storage, value_range, no_variant, policy; and for numpy arrays
+    (``loader.load_native``) not_aligned.
     """
 
     def __init__(self, message: str, reason: str = "other"):

@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .constants import INTEGER_DTYPES
 from .errors import GuardError
 from .manifest import DimRange, InputSpec
+from .shapes import ShapeGuard, not_plain, value_outside
 
 # What the compiled code can read: a plain tensor, or a Parameter (a plain tensor that requires grad,
 # what a caller passing a module's weights hands over). Every other subclass is refused: its data
@@ -36,7 +36,7 @@ TORCH_DTYPES = {
 }
 
 
-class InputGuard:
+class InputGuard(ShapeGuard):
     """Binds call arguments to the artifact's inputs and checks them.
 
     ``check(args, kwargs)`` returns the flat list of tensors in forward() order and a dict of the
@@ -51,42 +51,11 @@ class InputGuard:
         unchecked: set[str] = frozenset(),
         copy_inputs: bool = False,
     ):
-        self.inputs = tuple(inputs)
-        self.names = tuple(i.name for i in inputs)
-        self.index = {name: pos for pos, name in enumerate(self.names)}
-        # Dims whose out-of-range sizes a pad/split policy serves: any size ≥ 1 passes the guard.
-        self.built = dict(dims)
-        self.policy_dims = frozenset(unchecked)
-        self.dims = {d: DimRange(1, 2**62) if d in unchecked else r for d, r in dims.items()}
+        super().__init__(inputs, dims, unchecked)
         self.device = device
         self.copy_inputs = copy_inputs  # move inputs on another device instead of refusing them
         # Per input: (name, dtype, ndim, [(axis, static size or None, dim name or None)], value range or None)
-        self._plan = []
-        for spec in inputs:
-            axes = tuple((axis, s, None) if isinstance(s, int) else (axis, None, s) for axis, s in enumerate(spec.shape))
-            values = spec.range if spec.dtype in INTEGER_DTYPES else None
-            self._plan.append((spec.name, TORCH_DTYPES[spec.dtype], len(spec.shape), axes, values))
-
-    def bind(self, args: tuple, kwargs: dict[str, Any]) -> list:
-        n = len(self.names)
-        if not kwargs and len(args) == n:
-            return list(args)
-        if len(args) > n:
-            raise GuardError(f"expected at most {n} inputs ({', '.join(self.names)}), got {len(args)} positional", reason="too_many_inputs")
-        bound: list = list(args) + [None] * (n - len(args))
-        given = [True] * len(args) + [False] * (n - len(args))
-        for key, value in kwargs.items():
-            pos = self.index.get(key)
-            if pos is None:
-                raise GuardError(f"unknown input {key!r} (inputs: {', '.join(self.names)})", reason="unknown_input")
-            if given[pos]:
-                raise GuardError(f"input {key!r} given twice, by position and by name", reason="duplicate_input")
-            bound[pos] = value
-            given[pos] = True
-        missing = [name for name, ok in zip(self.names, given) if not ok]
-        if missing:
-            raise GuardError(f"missing input(s): {', '.join(missing)} (inputs: {', '.join(self.names)})", reason="missing_input")
-        return bound
+        self._plan = [(name, TORCH_DTYPES[dtype], ndim, axes, values) for name, dtype, ndim, axes, values in self.input_plan()]
 
     def check(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list, dict[str, int]]:
         tensors = self.bind(args, kwargs)
@@ -107,35 +76,7 @@ class InputGuard:
                         reason="device",
                     )
                 t = tensors[pos] = t.to(device)
-            shape = t.shape
-            if len(shape) != ndim:
-                raise GuardError(
-                    f"input {name!r}: has {len(shape)} dimensions {tuple(shape)}, the artifact needs {ndim} "
-                    f"{self._describe(name)}",
-                    reason="rank",
-                )
-            for axis, static, dim in axes:
-                size = shape[axis]
-                if static is not None:
-                    if size != static:
-                        raise GuardError(
-                            f"input {name!r}: axis {axis} is {size}, the artifact needs exactly {static} "
-                            f"{self._describe(name)}",
-                            reason="static_size",
-                        )
-                    continue
-                seen = sizes.get(dim)
-                if seen is None:
-                    rng = self.dims[dim]
-                    if not rng.min <= size <= rng.max:
-                        raise self._out_of_range(name, dim, axis, size)
-                    sizes[dim] = size
-                elif seen != size:
-                    raise GuardError(
-                        f"input {name!r}: dim {dim!r} (axis {axis}) is {size}, but another input has {dim}={seen}; "
-                        f"inputs sharing a dim must agree",
-                        reason="dim_mismatch",
-                    )
+            self.check_shape(name, t.shape, ndim, axes, sizes)
             if not t.is_contiguous():
                 raise GuardError(
                     f"input {name!r}: tensor is not contiguous (strides {t.stride()}); the compiled code "
@@ -159,31 +100,10 @@ class InputGuard:
                     raise _value_outside(name, t, low if low < values.min else high, values)
         return tensors, sizes
 
-    def _out_of_range(self, name: str, dim: str, axis: int, size: int) -> GuardError:
-        if dim in self.policy_dims:  # only sizes below 1 get here: the policy serves all others
-            return GuardError(
-                f"input {name!r}: dim {dim!r} (axis {axis}) is {size}; the artifact serves any size ≥ 1 on that dim "
-                f"(the built range {self.built[dim]}, other sizes through its out_of_range policy)",
-                reason="out_of_range",
-            )
-        return GuardError(
-            f"input {name!r}: dim {dim!r} (axis {axis}) is {size}, outside the built range {self.dims[dim]}",
-            reason="out_of_range",
-        )
-
-    def _describe(self, name: str) -> str:
-        spec = self.inputs[self.index[name]]
-        return "(shape [" + ", ".join(str(s) for s in spec.shape) + "])"
-
 
 def _not_plain(name: str, t: Any) -> GuardError:
-    if isinstance(t, torch.Tensor):
-        return GuardError(
-            f"input {name!r}: a {type(t).__module__}.{type(t).__qualname__} (a torch.Tensor subclass); the compiled "
-            "code reads plain tensors only: pass a torch.Tensor (e.g. t.as_subclass(torch.Tensor) if its data is real)",
-            reason="tensor_subclass",
-        )
-    return GuardError(f"input {name!r}: expected a torch.Tensor, got {type(t).__name__}", reason="not_a_tensor")
+    fix = "pass a torch.Tensor (e.g. t.as_subclass(torch.Tensor) if its data is real)"
+    return not_plain(name, t, torch.Tensor, "torch.Tensor", "tensors", fix)
 
 
 def _not_memory(name: str, t: torch.Tensor) -> GuardError:
@@ -213,11 +133,7 @@ def _not_memory(name: str, t: torch.Tensor) -> GuardError:
 
 def _value_outside(name: str, t: torch.Tensor, value: int, values: DimRange) -> GuardError:
     """The refusal for a value outside the range, naming where the first such value is (slow path only)."""
-    where = tuple(int(i) for i in (t == value).nonzero()[0])
-    return GuardError(
-        f"input {name!r}: value {value} at {list(where)} is outside the valid range {values}",
-        reason="value_range",
-    )
+    return value_outside(name, value, [int(i) for i in (t == value).nonzero()[0]], values)
 
 
 def _dt(dtype: torch.dtype) -> str:

@@ -8,7 +8,8 @@ and what the artifact needs.
 
 The host's facts are gathered once (``host_facts()``) from torch and the standard library, without
 compiling or probing anything; every check takes them as an argument, so tests can feed recorded
-facts of other machines.
+facts of other machines, and the torch-free loader its own (``loader.native.libs``). torch is
+imported by the functions that read it, so the checks themselves run without it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import functools
 import platform
 import re
 from dataclasses import dataclass
-
-import torch
 
 from . import cuda as cuda_host
 from .cuda import CudaFacts, cuda_problems, parse_device
@@ -63,6 +62,8 @@ class HostFacts:
 @functools.lru_cache(maxsize=None)
 def host_facts() -> HostFacts:
     """This host's facts, CUDA left out: it is only looked at when a load asks for a GPU."""
+    import torch
+
     return HostFacts(
         torch_version=torch.__version__,
         platform=platform.system().lower(),
@@ -73,11 +74,15 @@ def host_facts() -> HostFacts:
 
 
 def cpu_capability() -> str:
+    import torch
+
     return torch.backends.cpu.get_cpu_capability()
 
 
 def cpu_features() -> frozenset[str]:
     """The CPU features this host has, as cpuinfo (through torch) reports them: no compiler is run."""
+    import torch
+
     get = getattr(torch.cpu, "get_capabilities", None)
     if get is not None:
         return frozenset(name for name, present in get().items() if present is True)

@@ -26,6 +26,7 @@ MAX_INT = 2**53  # anything larger is not a real size and would not survive JSON
 Shape = tuple[Union[str, int], ...]
 POLICIES = ("error", "pad", "split")
 CAPABILITY_RE = re.compile(r"^\d{1,3}\.\d{1,3}$")
+CODE_OBJECT_RE = re.compile(r"^(sm|compute)_\d{2,4}[af]?$")  # a kernel target: sm_90a (SASS), compute_80 (PTX)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,10 @@ class Variant:
     precision: str = "fp32"
     cpu_features: tuple[str, ...] = ()
     gate: dict[str, Any] | None = None
+    # A CPU variant's reason why only the torch loader can run it (ops without a C shim need torch's
+    # proxy executor, ...), found by the build; None: the torch-free loader can, or an older build did
+    # not look (that loader looks again when it opens the package).
+    needs_torch: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -129,6 +134,8 @@ class Variant:
             out["precision"] = self.precision
             out["cpu_features"] = list(self.cpu_features)
             out["gate"] = self.gate
+        if self.needs_torch is not None:  # only when set: artifacts without such variants stay readable by older loaders
+            out["needs_torch"] = self.needs_torch
         return out
 
 
@@ -142,6 +149,9 @@ class CudaInfo:
     multi_arch: bool  # PTX emitted too: newer GPUs can JIT it
     cuda_graphs: bool  # capture a graph per static variant at warm-up
     device_name: str = ""
+    # The code objects the packages' kernels hold, as read at build time: "sm_90a" (SASS), "compute_90a"
+    # (PTX). Empty: not recorded (older builds); loader.cuda derives them from capability and multi_arch.
+    kernels: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -151,6 +161,7 @@ class CudaInfo:
             "multi_arch": self.multi_arch,
             "cuda_graphs": self.cuda_graphs,
             "device_name": self.device_name,
+            **({"kernels": list(self.kernels)} if self.kernels else {}),
         }
 
 
@@ -384,8 +395,8 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
         v = r.obj(
             item,
             where,
-            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants", *PRECISION_KEYS},
-            optional={"device", "dtype", "constant_prefix", "embedded_constants", *PRECISION_KEYS},
+            {"id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants", "needs_torch", *PRECISION_KEYS},
+            optional={"device", "dtype", "constant_prefix", "embedded_constants", "needs_torch", *PRECISION_KEYS},
         )
         vid = r.str(v["id"], f"{where}.id", VARIANT_ID_RE)
         kind = r.str(v["kind"], f"{where}.kind", choices=C.VARIANT_KINDS)
@@ -418,7 +429,8 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
             if prefix + c not in constants:
                 raise r.fail(f"{where}.constants", f"{prefix + c!r} is not declared in constants")
         precision, features, gate = _parse_precision(r, v, where, device)
-        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded, precision, features, gate))
+        needs_torch = None if v.get("needs_torch") is None else r.str(v["needs_torch"], f"{where}.needs_torch")
+        variants.append(Variant(vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded, precision, features, gate, needs_torch))
     if not variants:
         raise r.fail("variants", "the artifact has no variants")
     if len({v.id for v in variants}) != len(variants):
@@ -470,7 +482,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
 
     cuda = None
     if raw.get("cuda") is not None:
-        cu = r.obj(raw["cuda"], "cuda", {"torch_cuda", "capability", "archs", "multi_arch", "cuda_graphs", "device_name"})
+        cu = r.obj(raw["cuda"], "cuda", {"torch_cuda", "capability", "archs", "multi_arch", "cuda_graphs", "device_name", "kernels"}, optional={"kernels"})
         cuda = CudaInfo(
             torch_cuda=r.str(cu["torch_cuda"], "cuda.torch_cuda"),
             capability=r.str(cu["capability"], "cuda.capability", CAPABILITY_RE),
@@ -478,6 +490,7 @@ def parse_manifest(data: bytes | str, source: str = C.MANIFEST_FILE) -> Manifest
             multi_arch=r.bool(cu["multi_arch"], "cuda.multi_arch"),
             cuda_graphs=r.bool(cu["cuda_graphs"], "cuda.cuda_graphs"),
             device_name=r.str(cu["device_name"], "cuda.device_name"),
+            kernels=tuple(r.str(k, f"cuda.kernels[{i}]", CODE_OBJECT_RE) for i, k in enumerate(r.list(cu.get("kernels", []), "cuda.kernels", 64))),
         )
     if cuda is None and any(v.device == "cuda" for v in variants):
         raise r.fail("cuda", "the artifact has CUDA variants but no cuda section")

@@ -7,19 +7,31 @@ each, and concatenate the outputs along the one axis of each output that follows
 with the dim on no axis or on several cannot be put back together from pieces, so split refuses such
 artifacts' out-of-range calls (and the build refuses such profiles: ``split_problem``). Both undo
 themselves only through the output axes the profile declared (``output_dims`` in the manifest).
+
+The decisions are shape arithmetic; the few array operations they need (``ArrayOps``) come from the
+caller, so the torch loader and the torch-free one (numpy arrays) serve a policy alike.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
-import torch
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from .errors import GuardError
 from .manifest import DimRange, Manifest
 
 Run = Callable[[list, dict], tuple[list, list]]  # (tensors, sizes) -> (flat outputs, variant ids)
 OutputDims = Sequence[Sequence["str | None"]]  # per flat output, per axis: the dim it follows
+
+
+@dataclass(frozen=True)
+class ArrayOps:
+    """What a pad or split does to arrays, for one kind of array (torch tensors, numpy arrays)."""
+
+    cat: Callable[[list, int], Any]  # (arrays, axis) -> one array
+    fill: Callable[[Any, list[int], float], Any]  # (like, shape, value) -> a new array of like's dtype
+    take: Callable[[Any, int, int, int], Any]  # (array, axis, start, size) -> a contiguous copy of that slice
+    cut: Callable[[Any, int, int], Any]  # (array, axis, size) -> a view of its first size entries
 
 
 def split_sizes(size: int, lo: int, hi: int) -> list[int] | None:
@@ -60,7 +72,8 @@ def split_problem(dim: str, output_dims: OutputDims | None) -> str | None:
 class Policies:
     """The manifest's policies, with the input and output axes each dim touches precomputed."""
 
-    def __init__(self, manifest: Manifest):
+    def __init__(self, manifest: Manifest, ops: ArrayOps):
+        self.ops = ops
         self.dims: dict[str, DimRange] = manifest.dims
         self.policy = {d: p for d, p in manifest.policy.items() if p != "error"}
         self.input_axes = {
@@ -111,12 +124,14 @@ class Policies:
             )
         parts, ids, offset = [], [], 0
         for size in pieces:
-            sub = _narrow(tensors, self.input_axes[d], offset, size)
+            sub = list(tensors)
+            for i, axis in self.input_axes[d]:
+                sub[i] = self.ops.take(sub[i], axis, offset, size)
             outputs, used = self.run(sub, {**sizes, d: size}, run)
             parts.append(outputs)
             ids += used
             offset += size
-        return [torch.cat([p[k] for p in parts], dim=axes[0]) for k, axes in enumerate(self.output_axes[d])], ids
+        return [self.ops.cat([p[k] for p in parts], axes[0]) for k, axes in enumerate(self.output_axes[d])], ids
 
     def _pad(self, d: str, r: DimRange, n: int, tensors: list, sizes: dict, run: Run) -> tuple[list, list]:
         if n > r.max:
@@ -124,25 +139,17 @@ class Policies:
                 f"dim {d!r} is {n}, above the built range {r}; its policy is pad, which only serves sizes below {r.min}",
                 reason="policy",
             )
+        ops = self.ops
         padded = list(tensors)
         for i, axis in self.input_axes[d]:
             t = padded[i]
             shape = list(t.shape)
             shape[axis] = r.min - n
-            fill = torch.full(shape, self.pad_values[i], dtype=t.dtype, device=t.device)
-            padded[i] = torch.cat([t, fill], dim=axis)
+            padded[i] = ops.cat([t, ops.fill(t, shape, self.pad_values[i])], axis)
         outputs, ids = self.run(padded, {**sizes, d: r.min}, run)
-        return [_cut(o, axes, n) for o, axes in zip(outputs, self.output_axes[d])], ids
-
-
-def _cut(t: torch.Tensor, axes: tuple[int, ...], size: int) -> torch.Tensor:
-    for axis in axes:
-        t = t.narrow(axis, 0, size)
-    return t
-
-
-def _narrow(tensors: Sequence, axes: list[tuple[int, int]], offset: int, size: int) -> list:
-    out = list(tensors)
-    for i, axis in axes:
-        out[i] = out[i].narrow(axis, offset, size).contiguous()
-    return out
+        cut = []
+        for o, axes in zip(outputs, self.output_axes[d]):
+            for axis in axes:
+                o = ops.cut(o, axis, n)
+            cut.append(o)
+        return cut, ids

@@ -27,7 +27,7 @@ from . import constants as C
 from .artifact import manifest_digest, read_manifest_with_bytes, read_signature, verify_files
 from .cache import Cache
 from .errors import LoaderError
-from .host import check_compatible
+from .host import HostFacts, check_compatible
 from .manifest import Manifest
 from . import remote
 from .pack import PackHead, read_head
@@ -82,21 +82,23 @@ def open_artifact(
     cache_dir: str | os.PathLike | None = None,
     state_dir: str | os.PathLike | None = None,
     max_bytes: int | None = None,
+    host: HostFacts | None = None,
 ) -> Opened:
     """See ``loader.load``; returns the folder to open and what was checked. A URL goes through
     ``loader.remote``, which judges the pack's head as soon as it arrives (``admit``: the same checks
     as below, but the rollback ledger's) and comes back here with the downloaded pack or its cache
-    entry's head."""
+    entry's head. ``host``: the facts the compatibility check compares with (default:
+    ``host.host_facts()``; the torch-free loader gathers its own)."""
     if trusted_keys is not None and not verify:
         raise LoaderError("verify=False skips the sha256 checks a signature relies on; drop it or trusted_keys")
     keys = public_keys(trusted_keys) if trusted_keys is not None else None
     if remote.is_url(path):
         options = dict(device=device, verify=verify, trusted_keys=trusted_keys, min_version=min_version)
-        options.update(refuse_rollback=refuse_rollback, cache_dir=cache_dir, state_dir=state_dir)
+        options.update(refuse_rollback=refuse_rollback, cache_dir=cache_dir, state_dir=state_dir, host=host)
 
         def admit(head: PackHead) -> None:
             _admit(head.manifest, head.manifest_bytes, head.signature, keys, min_version, str(head.path))
-            check_compatible(head.manifest, device or head.manifest.target.device)
+            check_compatible(head.manifest, device or head.manifest.target.device, host)
 
         return remote.open_url(
             str(path), lambda local: open_artifact(local, **options), admit=admit, max_bytes=max_bytes, cache_dir=cache_dir
@@ -116,7 +118,7 @@ def open_artifact(
     signed_by = _admit(manifest, manifest_bytes, signature, keys, min_version, source)
     hold = VersionLedger(state_dir).hold(manifest, digest, source) if refuse_rollback else None
     try:
-        check_compatible(manifest, device)
+        check_compatible(manifest, device, host)
         weights = None
         if head is not None:
             root, unpacked = Cache(cache_dir).open(head, verify=verify)

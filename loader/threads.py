@@ -9,7 +9,9 @@ share of the machine (measured: 6.6× slower beside two neighbours on 2 cores, a
 
 The wait policy is read once, when the OpenMP runtime starts (at ``import torch``), so only a
 process's launcher can set it: ``precompile serve`` does so for itself; a library user sets it in
-the environment, and ``load()`` warns when the settings will hurt.
+the environment, and ``load()`` warns when the settings will hurt. The torch-free loader starts the
+runtime itself (``loader.native``), so it sets ``openmp_env()`` before it does. Only the functions
+that ask torch import it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+THREADS_ENV = "OMP_NUM_THREADS"
 
 
 class ThreadingWarning(UserWarning):
@@ -113,7 +114,10 @@ def _read_v1(folder: Path) -> float | None:
 def threading_problems(allowance: CpuAllowance | None = None, *, threads: int | None = None, wait_policy: str | None = None) -> list[str]:
     """Why torch's threading will hurt in this process, as sentences with the fix; [] when it fits."""
     allowance = allowance or cpu_allowance()
-    threads = torch.get_num_threads() if threads is None else threads
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
     policy = os.environ.get(WAIT_POLICY_ENV) if wait_policy is None else wait_policy
     problems = []
     if threads > allowance.cpus:
@@ -137,13 +141,60 @@ _warned = False
 def fit_threads(threads: int | None = None) -> int:
     """Size torch's thread pool for this process: ``threads`` if given, else cut torch's count to the
     CPUs the process gets. Warns once per process (ThreadingWarning) about what still hurts."""
-    global _warned
+    import torch
+
     allowance = cpu_allowance()
     want = threads if threads is not None else min(torch.get_num_threads(), allowance.cpus)
     if want != torch.get_num_threads():
         torch.set_num_threads(want)
-    problems = threading_problems(allowance, threads=want)
+    warn_once(threading_problems(allowance, threads=want))
+    return want
+
+
+def warn_once(problems: list[str]) -> None:
+    """One ThreadingWarning per process for ``threading_problems``' sentences (none when empty)."""
+    global _warned
     if problems and not _warned:
         _warned = True
-        warnings.warn("precompile: " + "; ".join(problems), ThreadingWarning, stacklevel=3)
-    return want
+        warnings.warn("precompile: " + "; ".join(problems), ThreadingWarning, stacklevel=4)
+
+
+def default_threads(allowance: CpuAllowance | None = None, environ: dict[str, str] | None = None) -> int:
+    """The thread count ``fit_threads`` gives torch by default, found without torch: its own default
+    (``OMP_NUM_THREADS``, else the host's physical cores) cut to the CPUs this process gets."""
+    allowance = allowance or cpu_allowance()
+    environ = os.environ if environ is None else environ
+    try:
+        wanted = int(environ.get(THREADS_ENV, ""))
+    except ValueError:
+        wanted = 0
+    return max(1, min(wanted if wanted > 0 else physical_cores(), allowance.cpus))
+
+
+def physical_cores(cpus: str | os.PathLike = "/sys/devices/system/cpu") -> int:
+    """The host's physical cores (what torch sizes its pool by), from the kernel's CPU topology."""
+    cores = set()
+    for topology in Path(cpus).glob("cpu[0-9]*/topology"):
+        try:
+            cores.add((topology / "core_cpus_list").read_text().strip())
+        except OSError:
+            try:
+                cores.add((topology / "thread_siblings_list").read_text().strip())
+            except OSError:
+                continue
+    return len(cores) or os.cpu_count() or 1
+
+
+def openmp_env(threads: int | None = None, *, workers: int = 1, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The OpenMP settings to add before the runtime starts: ``OMP_WAIT_POLICY=PASSIVE`` (idle threads
+    sleep instead of spinning) unless the user set a policy, and ``OMP_NUM_THREADS`` = ``threads``
+    when given, else (unless the user set it) each of ``workers``' share of the CPUs this process gets."""
+    environ = os.environ if environ is None else environ
+    env = {}
+    if WAIT_POLICY_ENV not in environ:
+        env[WAIT_POLICY_ENV] = "PASSIVE"
+    if threads is not None:
+        env[THREADS_ENV] = str(threads)
+    elif THREADS_ENV not in environ:
+        env[THREADS_ENV] = str(max(1, cpu_allowance().cpus // workers))
+    return env

@@ -12,11 +12,14 @@ changes the weights under it (``MAP_PRIVATE`` only isolates pages already writte
   in place (``loader.cache`` refuses a cache others can write).
 
 The safetensors package is not used for reading because its tensors are copies; the format is simple
-enough to validate here field by field (https://github.com/huggingface/safetensors#format).
+enough to validate here field by field (https://github.com/huggingface/safetensors#format). The
+header is parsed without torch (``parse_header``: the torch-free loader hands the compiled code each
+tensor's address and shape); ``MappedWeights.tensors`` makes torch views of it on first use.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap
@@ -24,37 +27,87 @@ import os
 import stat
 import struct
 import warnings
-
-import torch
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 from . import constants as C
 from .errors import ArtifactError
 
+# safetensors dtype -> (the manifest's dtype name, bytes per element)
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
 }
 
 
+@dataclass(frozen=True)
+class Stored:
+    """Where one tensor lies in the file's buffer: ``nbytes`` bytes from ``offset``, C-contiguous."""
+
+    dtype: str  # the manifest's name: float32, int64, ...
+    shape: tuple[int, ...]
+    offset: int  # from the start of the file (header included)
+    nbytes: int
+
+
 class MappedWeights:
-    """The tensors of one safetensors file, as views of ``buffer`` (default: ``read_private(path)``),
-    which lives as long as this object."""
+    """The tensors of one safetensors file in ``buffer`` (default: ``read_private(path)``), which lives
+    as long as this object: ``stored`` says where each lies, ``tensors`` gives torch views of them."""
 
     def __init__(self, path: str, *, buffer: mmap.mmap | None = None):
         self.path = path
         self._mmap = buffer if buffer is not None else read_private(path)
-        self.tensors = _parse(self._mmap, len(self._mmap), path)
+        self.stored = parse_header(self._mmap, len(self._mmap), path)
+
+    @cached_property
+    def address(self) -> int:
+        """Where the buffer starts in memory (for the torch-free loader, which hands compiled code
+        ``address + Stored.offset``); the buffer cannot be closed while this object lives."""
+        self._pin = ctypes.c_char.from_buffer(self._mmap)
+        return ctypes.addressof(self._pin)
+
+    @cached_property
+    def tensors(self) -> dict[str, Any]:
+        """name -> torch tensor viewing the buffer (torch is imported here, by the torch loader only)."""
+        import torch
+
+        from .guards import TORCH_DTYPES
+
+        tensors = {}
+        for name, s in self.stored.items():
+            dtype = TORCH_DTYPES[s.dtype]
+            if s.nbytes == 0:
+                tensors[name] = torch.empty(s.shape, dtype=dtype)
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # frombuffer warns about non-resizable buffers; harmless here
+                flat = torch.frombuffer(self._mmap, dtype=dtype, count=s.nbytes // dtype.itemsize, offset=s.offset)
+            tensors[name] = flat.view(s.shape)
+        return tensors
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return len(self.stored)
+
+    def check(self, constants: dict[str, Any]) -> None:
+        """Refuse a file that lacks a constant the manifest declares (``{name: ConstantSpec}``) or
+        holds it in another dtype or shape."""
+        for name, spec in constants.items():
+            s = self.stored.get(name)
+            if s is None:
+                raise ArtifactError(f"{self.path}: constant {name!r} is missing")
+            if s.dtype != spec.dtype or s.shape != tuple(spec.shape):
+                raise ArtifactError(
+                    f"{self.path}: constant {name!r} is {s.dtype} {s.shape}, the compiled code expects {spec.dtype} {spec.shape}"
+                )
 
 
 def map_file(path: str) -> mmap.mmap:
@@ -115,7 +168,8 @@ def _check_size(path: str, st: os.stat_result) -> int:
     return st.st_size
 
 
-def _parse(buf: mmap.mmap, size: int, path: str) -> dict[str, torch.Tensor]:
+def parse_header(buf: mmap.mmap, size: int, path: str) -> dict[str, Stored]:
+    """Validate the header of the safetensors file in ``buf`` and say where each tensor lies."""
     (header_len,) = struct.unpack("<Q", buf[:8])
     if header_len > C.MAX_SAFETENSORS_HEADER_BYTES:
         raise ArtifactError(f"{path}: header of {header_len} bytes is larger than allowed")
@@ -130,15 +184,15 @@ def _parse(buf: mmap.mmap, size: int, path: str) -> dict[str, torch.Tensor]:
     data_start = 8 + header_len
     data_len = size - data_start
     spans = []
-    tensors: dict[str, torch.Tensor] = {}
+    stored: dict[str, Stored] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         where = f"{path}: tensor {name!r}"
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise ArtifactError(f"{where}: entry must have exactly dtype, shape and data_offsets")
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
-        if dtype is None:
+        known = SAFETENSORS_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if known is None:
             raise ArtifactError(f"{where}: unsupported dtype {info['dtype']!r}")
         shape, offsets = info["shape"], info["data_offsets"]
         if not isinstance(shape, list) or not all(type(s) is int and 0 <= s < 2**40 for s in shape):
@@ -149,23 +203,18 @@ def _parse(buf: mmap.mmap, size: int, path: str) -> dict[str, torch.Tensor]:
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * dtype.itemsize
+        dtype, itemsize = known
+        nbytes = numel * itemsize
         if not 0 <= begin <= end <= data_len:
             raise ArtifactError(f"{where}: data_offsets [{begin}, {end}] lie outside the {data_len} data bytes")
         if end - begin != nbytes:
             raise ArtifactError(f"{where}: data_offsets span {end - begin} bytes but shape {shape} needs {nbytes}")
-        if begin % dtype.itemsize:
-            raise ArtifactError(f"{where}: offset {begin} is not aligned to {dtype.itemsize} bytes")
+        if begin % itemsize:
+            raise ArtifactError(f"{where}: offset {begin} is not aligned to {itemsize} bytes")
         spans.append((begin, end, name))
-        if numel == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # frombuffer warns about non-resizable buffers; harmless here
-            flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=data_start + begin)
-        tensors[name] = flat.view(shape)
+        stored[name] = Stored(dtype, tuple(shape), data_start + begin, nbytes)
     spans.sort()
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise ArtifactError(f"{path}: tensors {n0!r} and {n1!r} overlap")
-    return tensors
+    return stored

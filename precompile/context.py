@@ -65,7 +65,14 @@ class BuildContext:
 
     def with_batching(self, batching: Batching | None) -> BuildContext:
         """This context with its batching section; the calibration samples, if made, are kept."""
-        new = dataclasses.replace(self, batching=batching)
+        return self._keeping_calibration(batching=batching)
+
+    def with_cuda(self, cuda: CudaInfo | None) -> BuildContext:
+        """This context with what is known of its CUDA build; the calibration samples, if made, are kept."""
+        return self._keeping_calibration(cuda=cuda)
+
+    def _keeping_calibration(self, **changes: Any) -> BuildContext:
+        new = dataclasses.replace(self, **changes)
         if "calibration" in self.__dict__:  # where functools.cached_property keeps its value
             new.__dict__["calibration"] = self.__dict__["calibration"]
         return new

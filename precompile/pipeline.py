@@ -23,6 +23,7 @@ from loader.manifest import Manifest, expires_problem
 from .analysis.value_ranges import with_value_ranges
 from .compare import CheckReport
 from .context import BuildContext
+from .cuda_targets import with_kernel_targets
 from .errors import PrecompileError
 from .executors import Executor, compile_units
 from .profile import load_profile
@@ -136,6 +137,7 @@ def finish(
     seconds = {u.variant.id: u.seconds for u in [*tuned, *lower]}
     kept, gates = _gate(ctx, [*tuned, *lower], progress)
     records = {g.variant: g.to_dict() for g in gates}
+    ctx = ctx.with_cuda(with_kernel_targets(ctx.cuda, [u.package.path for u in kept if u.variant.device == "cuda"]))
     with progress.stage("write", str(target)):
         manifest = assemble_manifest(ctx, staging, kept, records)
     with progress.stage("check", "compiled vs eager, every variant"):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from loader.model import load_constants, open_package
+from loader.aoti import load_constants, open_package
 
 from .errors import ModelError
 from .profile import Profile

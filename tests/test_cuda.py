@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from click.testing import CliRunner
 
 import loader
 from loader import IncompatibleArtifactError
-from loader.cuda import CudaFacts, cuda_problems, parse_device, runs_on
+from loader.cuda import CodeObject, CudaFacts, cuda_problems, derived_kernels, parse_device, runs_on
 from loader.manifest import CudaInfo, parse_manifest
 from precompile.cli import main
 from precompile.errors import ProfileError
@@ -61,22 +63,59 @@ def test_parse_device_refuses_unknown_devices(device):
         parse_device(device)
 
 
+A100 = CudaInfo(torch_cuda="12.8", capability="8.0", archs=("8.0",), multi_arch=False, cuda_graphs=False)
+A100_PTX = CudaInfo(torch_cuda="12.8", capability="8.0", archs=("8.0",), multi_arch=True, cuda_graphs=False)
+
+
+def recorded(*kernels: str) -> CudaInfo:
+    return CudaInfo(torch_cuda="13.0", capability="9.0", archs=("9.0",), multi_arch=True, cuda_graphs=False, kernels=kernels)
+
+
 def test_sass_runs_on_same_major_and_newer_minor_only():
-    assert runs_on(H100, (9, 0))
-    assert not runs_on(H100, (8, 0))
-    assert not runs_on(H100, (10, 0))  # SASS does not carry over to a new major
-    assert runs_on(H100_PTX, (10, 0))  # PTX is compiled by the driver for newer GPUs
-    assert not runs_on(H100_PTX, (8, 6))
+    assert runs_on(A100, (8, 0)) and runs_on(A100, (8, 6)) and runs_on(A100, (8, 9))
+    assert not runs_on(A100, (7, 5))
+    assert not runs_on(A100, (9, 0))  # SASS does not carry over to a new major
+
+
+def test_plain_ptx_is_jit_compiled_for_newer_gpus():
+    assert runs_on(A100_PTX, (9, 0)) and runs_on(A100_PTX, (10, 0)) and runs_on(A100_PTX, (12, 0))
+    assert not runs_on(A100_PTX, (7, 5))
+    assert runs_on(recorded("compute_90"), (10, 0))
+
+
+def test_hopper_kernels_run_on_hopper_only_even_with_ptx():
+    """Triton compiles for sm_90a and Inductor's fatbin PTX is compute_90a: no newer GPU can JIT it."""
+    assert derived_kernels(H100_PTX) == ("sm_90a", "compute_90a")
+    assert derived_kernels(H100) == ("sm_90a",)
+    for info in (H100, H100_PTX, recorded("compute_90a", "sm_90a")):
+        assert runs_on(info, (9, 0))
+        assert not runs_on(info, (10, 0)) and not runs_on(info, (12, 0)) and not runs_on(info, (8, 0))
+
+
+def test_recorded_kernels_decide_over_what_the_build_gpu_suggests():
+    assert runs_on(recorded("sm_90a", "compute_80"), (12, 0))  # the plain PTX covers newer GPUs
+    family = recorded("sm_100f")
+    assert runs_on(family, (10, 0)) and runs_on(family, (10, 3)) and not runs_on(family, (12, 0))
+    assert not runs_on(recorded("sm_120a"), (12, 1))
+
+
+@pytest.mark.parametrize("text", ["sm90", "compute_9", "sm_90b", "ptx_90"])
+def test_a_malformed_kernel_target_is_refused(text):
+    with pytest.raises(ValueError, match="is not a kernel target like sm_90a"):
+        CodeObject.parse(text)
 
 
 def test_compatibility_decisions_from_recorded_devices():
     assert cuda_problems(H100, 0, H200_FACTS) == []
     assert cuda_problems(H100, 1, H200_FACTS) == []
     (older,) = cuda_problems(H100, 0, A100_FACTS)
-    assert "built for compute capability 9.0 (SASS only)" in older and "NVIDIA A100) is 8.0" in older
-    (newer,) = cuda_problems(H100, 0, B200_FACTS)
-    assert "or with cuda.multi_arch: true for newer GPUs" in newer
-    assert cuda_problems(H100_PTX, 0, B200_FACTS) == []
+    assert "built on compute capability 9.0 and hold sm_90a (sm_90a: that GPU only)" in older
+    assert "NVIDIA A100) is 8.0" in older
+    (newer,) = cuda_problems(H100_PTX, 0, B200_FACTS)  # the PTX does not help: it is compute_90a
+    assert "hold sm_90a, compute_90a" in newer and "NVIDIA B200) is 10.0" in newer and "multi_arch" not in newer
+    (a100_only,) = cuda_problems(A100, 0, H200_FACTS)
+    assert "or with cuda.multi_arch: true for newer GPUs" in a100_only
+    assert cuda_problems(A100_PTX, 0, B200_FACTS) == []
     assert cuda_problems(H100, 2, H200_FACTS) == ["cuda: asked for cuda:2, this host has 2 GPU(s)"]
     assert "CPU-only build" in cuda_problems(H100, 0, CudaFacts(None))[0]
     assert "no CUDA GPU is visible" in cuda_problems(H100, 0, CudaFacts("12.8"))[0]
@@ -103,6 +142,36 @@ def test_manifest_cuda_fields_round_trip(tmp_path, structured_artifact):
     assert manifest.cuda == CudaInfo("12.8", "9.0", ("9.0",), False, False, "NVIDIA H100")
     assert [(v.id, v.device) for v in manifest.variants] == [("dynamic", "cpu"), ("cuda-dynamic", "cuda")]
     assert parse_manifest(manifest.to_json()) == manifest
+
+
+def test_manifest_records_kernel_targets_and_refuses_malformed_ones(tmp_path, structured_artifact):
+    path = mixed_artifact(structured_artifact, tmp_path / "mixed")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["cuda"]["kernels"] = ["compute_90a", "sm_90a"]
+    parsed = parse_manifest(json.dumps(manifest))
+    assert parsed.cuda.kernels == ("compute_90a", "sm_90a")
+    assert parse_manifest(parsed.to_json()) == parsed
+    manifest["cuda"]["kernels"] = ["sm90"]
+    with pytest.raises(loader.ArtifactError, match=r"cuda.kernels\[0\]: 'sm90' does not match"):
+        parse_manifest(json.dumps(manifest))
+
+
+def test_the_loader_refuses_a_newer_gpu_for_hopper_kernels_before_opening_code(tmp_path, structured_artifact):
+    from loader.host import compatibility_problems, host_facts
+
+    path = mixed_artifact(structured_artifact, tmp_path / "mixed")
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["cuda"].update(multi_arch=True, kernels=["compute_90a", "sm_90a"])
+    manifest = parse_manifest(json.dumps(raw))
+    here = host_facts()
+
+    def on(facts):
+        return compatibility_problems(manifest, "cuda:0", replace(here, cuda=facts))
+
+    assert on(H200_FACTS) == []
+    (problem,) = on(B200_FACTS)
+    assert "hold compute_90a, sm_90a (compute_90a, sm_90a: that GPU only)" in problem
+    assert on(CudaFacts("13.0", ((12, 0),), ("NVIDIA RTX PRO 6000",)))
 
 
 def test_mixed_artifact_serves_its_cpu_variants_on_cpu(tmp_path, structured_artifact):
@@ -189,6 +258,7 @@ def test_graph_replays_from_concurrent_callers_never_exchange_results():
 
     graphed = GraphedRunner.__new__(GraphedRunner)
     graphed.inputs, graphed.outputs = [torch.zeros(4)], [torch.zeros(4)]
+    graphed.device = torch.device("cpu")
     graphed.graph = _SlowGraph(graphed.inputs, graphed.outputs)
     graphed._lock, graphed._done = threading.Lock(), None
 
@@ -203,12 +273,14 @@ def test_graph_replays_from_concurrent_callers_never_exchange_results():
 
 
 @needs_cuda
-def test_graphed_variant_serves_concurrent_callers_their_own_results(tmp_path):
+@pytest.mark.parametrize("warm", [True, False], ids=["graphed", "single-threaded-without-warmup"])
+def test_a_static_variant_serves_concurrent_callers_their_own_results(tmp_path, warm):
     from concurrent.futures import ThreadPoolExecutor
 
     path = write_profile(tmp_path, STRUCTURED + "target: cuda\ncuda: {cuda_graphs: true}\ndistribution: {shapes: [{batch: 4, count: 9}]}\n")
     model = loader.load(build(path, tmp_path / "out", jobs=1).path, device="cuda:0")
-    model.warmup()
+    if warm:
+        model.warmup()
     inputs = [torch.randn(4, 8, device="cuda") for _ in range(16)]
     want = [model.run_variant("cuda-dynamic", x)["hidden"] for x in inputs]
 
@@ -220,3 +292,139 @@ def test_graphed_variant_serves_concurrent_callers_their_own_results(tmp_path):
         results = list(pool.map(call, range(400)))
     assert {v for _, v, _ in results} == {"cuda-static-0"}
     assert all(torch.allclose(out, want[i % 16], atol=1e-4) for i, _, out in results)
+
+
+class _SlowRunner:
+    """A package runner with one set of work buffers, as a single-threaded AOTInductor runner has: a
+    call writes its input into the buffer, yields to other threads, then reads the buffer back."""
+
+    def __init__(self):
+        self.buffer = torch.zeros(4)
+
+    def run(self, tensors):
+        self.buffer.copy_(tensors[0])
+        time.sleep(0.001)
+        return [self.buffer * 2]
+
+    def get_constant_fqns(self):
+        return []
+
+
+@pytest.fixture
+def guard_record(monkeypatch):
+    """The devices CudaRunner makes current, recorded (this host has no GPU to switch to)."""
+    import contextlib
+
+    import loader.cuda
+
+    entered = []
+
+    @contextlib.contextmanager
+    def guard(device):
+        entered.append(device)
+        yield
+
+    monkeypatch.setattr(loader.cuda, "device_guard", guard)
+    return entered
+
+
+def test_a_single_threaded_cuda_runner_takes_turns_without_warmup(guard_record):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loader.cuda import CudaRunner
+
+    runner = CudaRunner(_SlowRunner(), 0, single_threaded=True)  # as load() opens a static variant for graphs
+
+    def call(i):
+        (out,) = runner.run([torch.full((4,), float(i))])
+        return i, out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, range(200)))
+    assert [i for i, out in results if not torch.equal(out, torch.full((4,), 2.0 * i))] == []
+
+
+def test_a_cuda_runner_launches_on_its_own_device_not_the_current_one(guard_record):
+    from loader.cuda import CudaRunner
+
+    runner = CudaRunner(_SlowRunner(), 1)
+    runner.run([torch.ones(4)])
+    runner.run([torch.ones(4)])
+    assert guard_record == [torch.device("cuda", 1)] * 2
+
+
+def ptx_fixture(target: str) -> str:
+    """The head of a PTX file as Triton writes it (LLVM's NVPTX back-end)."""
+    return (
+        "//\n// Generated by LLVM NVPTX Back-End\n//\n\n"
+        f".version 8.7\n.target {target}\n.address_size 64\n\n"
+        "\t// .globl\ttriton_poi_fused_add_0 // -- Begin function triton_poi_fused_add_0\n"
+        ".visible .entry triton_poi_fused_add_0(\n\t.param .u64 .ptr .global .align 1 triton_poi_fused_add_0_param_0\n)\n"
+    )
+
+
+# cuobjdump --list-elf --list-ptx of a fatbin Inductor built with nvcc -fatbin on a Hopper (CUDA 13).
+CUOBJDUMP_HOPPER = (
+    "ELF file    1: cukxyz7a2b.1.sm_90a.cubin\n"
+    "PTX file    1: cukxyz7a2b.1.sm_90a.ptx\n"
+)
+# ... of a binary holding SASS for 8.0 and only SASS (no PTX inside).
+CUOBJDUMP_SASS_ONLY = (
+    "ELF file    1: kernels.1.sm_80.cubin\n"
+    "cuobjdump info    : No PTX file found to extract from 'kernels.fatbin'.  You may try --extract-ptx\n"
+)
+
+
+def test_ptx_and_cuobjdump_listings_give_the_kernel_targets():
+    from precompile.cuda_targets import cuobjdump_targets, ptx_targets
+
+    assert ptx_targets(ptx_fixture("sm_90a")) == {"compute_90a"}
+    assert ptx_targets(ptx_fixture("sm_80")) == {"compute_80"}
+    assert ptx_targets("// .target sm_90a in a comment\n.version 8.7\n") == set()
+    assert cuobjdump_targets(CUOBJDUMP_HOPPER) == {"sm_90a", "compute_90a"}
+    assert cuobjdump_targets(CUOBJDUMP_SASS_ONLY) == {"sm_80"}
+    assert cuobjdump_targets("ELF file    1: _core.abi3.1.sm_75.cubin\nELF file    2: _core.abi3.2.sm_120.cubin\nPTX file    1: _core.abi3.1.sm_120.ptx\n") == {
+        "sm_75", "sm_120", "compute_120"}
+
+
+def fake_package(path, members: dict[str, bytes]):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("model/data/aotinductor/model/model.wrapper.so", b"\x7fELF")
+        for name, data in members.items():
+            z.writestr(f"model/data/aotinductor/model/{name}", data)
+    return path
+
+
+def fake_cuobjdump(tmp_path, listing: str):
+    """A stand-in for cuobjdump (this host has none) that prints a listing recorded from the real one."""
+    (tmp_path / "listing.txt").write_text(listing)
+    tool = tmp_path / "cuobjdump"
+    tool.write_text(f"#!/bin/sh\ncat {tmp_path / 'listing.txt'}\n")
+    tool.chmod(0o755)
+    return str(tool)
+
+
+def test_the_build_records_what_every_package_holds(tmp_path):
+    from precompile.cuda_targets import package_kernels, with_kernel_targets
+
+    a = fake_package(tmp_path / "a.pt2", {"k1.fatbin": b"fatbin", "k2.fatbin": b"fatbin"})
+    b = fake_package(tmp_path / "b.pt2", {"k3.fatbin": b"fatbin"})
+    extern_only = fake_package(tmp_path / "c.pt2", {})
+    tool = fake_cuobjdump(tmp_path, CUOBJDUMP_HOPPER)
+    assert package_kernels(a, tool).kernels == {"sm_90a", "compute_90a"} and package_kernels(a, tool).files == 2
+    out = with_kernel_targets(H100_PTX, [a, b, extern_only], tool)
+    assert out.kernels == ("compute_90a", "sm_90a")
+    assert not runs_on(out, (10, 0))
+    ptx_only = fake_package(tmp_path / "d.pt2", {"k.ptx": ptx_fixture("sm_90a").encode()})
+    assert with_kernel_targets(H100_PTX, [ptx_only], None).kernels == ("compute_90a",)
+
+
+def test_without_cuobjdump_nothing_is_recorded_and_the_loader_derives(tmp_path):
+    from precompile.cuda_targets import with_kernel_targets
+
+    a = fake_package(tmp_path / "a.pt2", {"k1.cubin": b"cubin"})
+    out = with_kernel_targets(H100_PTX, [a], "/nonexistent/cuobjdump")
+    assert out.kernels == () and derived_kernels(out) == ("sm_90a", "compute_90a")
+    assert with_kernel_targets(None, [a]) is None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -106,3 +110,55 @@ def test_serve_adds_the_wait_policy_and_thread_count_but_keeps_the_users():
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert env["OMP_NUM_THREADS"] == str(max(1, cpu_allowance().cpus // 2))
     assert serving_env(1, environ={"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"}) == {}
+
+
+# --- compile threads of the build's workers (precompile.executors.local.compile_threads) ------------
+
+SIZE_IN_SUBPROCESS = """
+import os, sys
+os.environ.pop("PRECOMPILE_COMPILE_THREADS", None)
+os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
+from precompile.executors.local import compile_threads
+print(compile_threads(int(sys.argv[2])))
+"""
+
+
+def sized(cpus, jobs: int) -> int:
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run([sys.executable, "-c", SIZE_IN_SUBPROCESS, ",".join(map(str, cpus)), str(jobs)],
+                         capture_output=True, text=True, env=env, check=True)
+    return int(out.stdout)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
+def test_compile_threads_follow_the_affinity_mask_not_the_host():
+    mine = sorted(os.sched_getaffinity(0))
+    assert sized(mine[:1], 1) == 1  # one CPU allowed: one compile thread, however many the host has
+    assert sized(mine, 1) == min(len(mine), T.cpu_allowance().cpus)
+    assert sized(mine, 2 * len(mine)) == 1  # never 0
+
+
+def test_compile_threads_env_override_and_its_errors():
+    from precompile.errors import PrecompileError
+    from precompile.executors.local import compile_threads
+
+    assert compile_threads(4, {"PRECOMPILE_COMPILE_THREADS": "3"}) == 3
+    assert compile_threads(1, {"PRECOMPILE_COMPILE_THREADS": " "}) == compile_threads(1, {})
+    for bad in ("abc", "0", "-2", "1.5"):
+        with pytest.raises(PrecompileError, match=rf"PRECOMPILE_COMPILE_THREADS='{re.escape(bad)}': expected a whole number of threads, 1 or more"):
+            compile_threads(2, {"PRECOMPILE_COMPILE_THREADS": bad})
+
+
+def test_a_bad_compile_threads_value_stops_the_build_with_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from precompile.cli import main
+
+    from .conftest import STRUCTURED_PROFILE, write_profile
+
+    monkeypatch.setenv("PRECOMPILE_COMPILE_THREADS", "many")
+    path = write_profile(tmp_path, STRUCTURED_PROFILE)
+    result = CliRunner().invoke(main, ["build", str(path), "-o", str(tmp_path / "out"), "--jobs", "2"], catch_exceptions=False)
+    assert result.exit_code == 1
+    assert "PRECOMPILE_COMPILE_THREADS='many': expected a whole number of threads, 1 or more" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()

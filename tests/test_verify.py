@@ -106,7 +106,7 @@ def test_a_cuda_load_is_checked_against_the_gpus(manifest):
     assert compatibility_problems(cuda, "cuda", on(CudaFacts("12.8", ((9, 0),), ("H100",)))) == []
     assert "CPU-only build" in compatibility_problems(cuda, "cuda:0", on(CudaFacts(None)))[0]
     (older,) = compatibility_problems(cuda, "cuda", on(CudaFacts("12.8", ((8, 0),), ("A100",))))
-    assert older.startswith("cuda: the kernels were built for compute capability 9.0")
+    assert older.startswith("cuda: the kernels were built on compute capability 9.0 and hold sm_90a")
     assert compatibility_problems(cuda, "cpu", on(CudaFacts(None))) == ["device: the artifact has cuda variants only, asked to load on cpu"]
 
 

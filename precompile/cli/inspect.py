@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from loader.cuda import derived_kernels
+
 from . import main, user_errors
 
 
@@ -49,8 +51,8 @@ def describe(manifest) -> str:
     if manifest.cuda is not None:
         c = manifest.cuda
         lines.append(
-            f"cuda      built on {c.device_name} ({c.capability}), kernels for {', '.join(c.archs)}"
-            f"{' + PTX' if c.multi_arch else ''}, CUDA {c.torch_cuda}{', CUDA graphs' if c.cuda_graphs else ''}"
+            f"cuda      built on {c.device_name} ({c.capability}), kernels {', '.join(c.kernels or derived_kernels(c))}"
+            f"{'' if c.kernels else ' (not recorded: derived)'}, CUDA {c.torch_cuda}{', CUDA graphs' if c.cuda_graphs else ''}"
         )
     policies = {d: p for d, p in manifest.policy.items() if p != "error"}
     if policies:

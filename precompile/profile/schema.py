@@ -232,7 +232,11 @@ class CudaSpec(_Strict):
         description='compute capabilities the build is for, e.g. ["9.0"]; the build GPU must be one of them (default: the build GPU\'s)',
     )
     multi_arch: bool = Field(
-        default=True, description="emit PTX beside SASS (aot_inductor.emit_multi_arch_kernel), so newer GPUs run it too"
+        default=True,
+        description=(
+            "emit PTX beside SASS (aot_inductor.emit_multi_arch_kernel): built on 8.x, newer GPUs JIT it; built on "
+            "9.0 or newer the kernels are arch-specific (sm_90a, compute_90a) and run on that GPU only"
+        ),
     )
     cuda_graphs: bool = Field(
         default=False, description="capture one CUDA graph per static variant at warm-up and replay it"

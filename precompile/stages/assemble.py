@@ -28,6 +28,7 @@ from .. import __version__
 from ..analysis.value_ranges import manifest_inputs
 from ..context import BuildContext
 from ..errors import CompileError
+from ..native_check import needs_torch
 from ..units import CompiledUnit
 from ..write import file_entries, write_manifest, write_weights
 
@@ -84,6 +85,7 @@ def assemble_manifest(
                 precision=vp.precision,
                 cpu_features=needed_features(vp.precision) if vp.precision != "fp32" else (),
                 gate=measured.get(vp.id),
+                needs_torch=needs_torch(pkg.path, vp.device),
             )
             for vp, pkg in ((u.variant, u.package) for u in units)
         ),

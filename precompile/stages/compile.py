@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from loader.model import open_package
+from loader.aoti import open_package
 
 from ..errors import CompileError
 from ..options import WEIGHTS_OUT, embeds_constants

@@ -1,0 +1,255 @@
+"""What a loaded artifact does with a call, whatever runs its compiled code: guard the inputs, pick
+the variant (static table, then the tightest dynamic range, tier by tier of precision), serve sizes
+no variant covers through the pad/split policies, count stats, and give back forward()'s structure.
+
+Everything here is shape arithmetic over plain ints and the manifest; the arrays pass through
+untouched. ``loader.model.CompiledModel`` (torch tensors, torch's package loader) and
+``loader.native.NativeModel`` (numpy arrays, the C interface of the compiled code) are this class
+with their own guard, array operations and runners: a runner is anything with ``run(list) -> list``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import GuardError
+from .manifest import Manifest, OutputSpec, Variant
+from .policy import ArrayOps, Policies
+from .precision import Choice
+from .shapes import ShapeGuard
+from .weights import MappedWeights
+
+# Distinct shapes remembered by stats(); beyond this, calls are counted in shapes_not_tracked.
+MAX_SHAPES_TRACKED = 10_000
+
+
+class ServedModel:
+    """A loaded artifact's call path; see ``loader.load`` and ``loader.load_native``."""
+
+    def __init__(
+        self,
+        root: Path,
+        manifest: Manifest,
+        weights: MappedWeights,
+        runners: dict[str, Any],
+        guard: ShapeGuard,
+        ops: ArrayOps,
+        *,
+        digest: str | None = None,
+        precision: Choice = Choice(("fp32",)),
+    ):
+        self.path = root
+        self._weights = weights  # the memory the runners' constants live in: kept as long as they are
+        self.manifest = manifest
+        # The digest of the manifest bytes as read (what a signature covers), not of a re-serialization.
+        self.digest = digest
+        self._runners = runners
+        self._variants = tuple(v for v in manifest.variants if v.id in runners)
+        self.precision = precision  # the precisions served, preferred first, and why others are not
+        self.variant_precision = {v.id: v.precision for v in self._variants}
+        self._guard = guard
+        self._policies = Policies(manifest, ops) if any(p != "error" for p in manifest.policy.values()) else None
+        self._dim_order = tuple(manifest.dims)
+        self._index_tables()
+        self._output = manifest.output
+        self._single_tensor = manifest.output.kind == "tensor"
+        self._stats_lock = threading.Lock()
+        self.reset_stats()
+
+    def _index_tables(self) -> None:
+        # One table pair per tier of precisions served (loader.precision.Choice.tiers), preferred
+        # first: a call runs on the first tier with a variant for its shape (the build made every
+        # precision's variants alike, but its gate may have dropped some).
+        self._tiers = []
+        for tier in self.precision.tiers(self._variants):
+            static, dynamic = self._tables(tier)
+            if static or dynamic:
+                self._tiers.append((static, dynamic))
+
+    def _tables(self, variants: list[Variant]) -> tuple[dict, list]:
+        runners = self._runners
+        static: dict[tuple[int, ...], tuple[Variant, Any]] = {}
+        dynamic = []
+        for v in variants:
+            if v.kind == "static":
+                static[tuple(v.dims[d].min for d in self._dim_order)] = (v, runners[v.id])
+            else:
+                dynamic.append(v)
+        # Tightest range first, so a call lands on the most specific variant that holds it.
+        dynamic.sort(key=lambda v: _volume(v))
+        return static, [(v, runners[v.id], [(d, v.dims[d].min, v.dims[d].max) for d in self._dim_order]) for v in dynamic]
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        """The variants loaded for this model's device."""
+        return self._variants
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self._guard.names
+
+    def select(self, *args: Any, **kwargs: Any) -> Variant:
+        """The variant a call with these inputs would run on (checks the guards, runs nothing)."""
+        tensors, sizes = self._guard.check(args, kwargs)
+        return self._dispatch(sizes)[0]
+
+    def check(self, *args: Any, **kwargs: Any) -> tuple[list, dict[str, int], Variant | None]:
+        """Check a call as calling would, without running it: its inputs in forward() order, the size
+        of each named dim, and the variant that would serve it (None when a pad or split policy serves
+        it in pieces). Raises the GuardError the call would raise."""
+        tensors, sizes = self._guard.check(args, kwargs)
+        if self._policies is not None and self._policies.needed(sizes):
+            return tensors, sizes, None
+        return tensors, sizes, self._dispatch(sizes)[0]
+
+    def run_variant(self, variant_id: str, *args: Any, **kwargs: Any) -> Any:
+        """Run one named variant, bypassing dispatch (for checks); its ranges are still guarded."""
+        variant = next((v for v in self._variants if v.id == variant_id), None)
+        if variant is None:
+            raise GuardError(f"no variant {variant_id!r} (variants: {', '.join(v.id for v in self.variants)})", reason="no_variant")
+        tensors, sizes = self._guard.check(args, kwargs)
+        for d, r in variant.dims.items():
+            if sizes[d] not in r:
+                raise GuardError(f"variant {variant_id!r} serves {d} in {r}, got {d}={sizes[d]}", reason="out_of_range")
+        return self._outputs(self._runners[variant_id].run(tensors))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_detailed(*args, **kwargs)[0]
+
+    def call_detailed(self, *args: Any, **kwargs: Any) -> tuple[Any, str]:
+        """Like calling the model, and also say which variant served the call ("a+b" when a pad or
+        split policy ran pieces on several)."""
+        tensors, sizes = self._guard.check(args, kwargs)
+        key = tuple(sizes[d] for d in self._dim_order)
+        runs: list[tuple[str, float]] = []
+        if self._policies is not None and self._policies.needed(sizes):
+            outputs, ids = self._policies.run(tensors, sizes, lambda t, s: self._run_timed(t, s, runs))
+        else:
+            outputs, ids = self._run_timed(tensors, sizes, runs)
+        variant_id = "+".join(dict.fromkeys(ids))
+        self._count(key, runs)
+        return self._outputs(outputs), variant_id
+
+    def _run_timed(self, tensors: list, sizes: dict[str, int], runs: list[tuple[str, float]]) -> tuple[list, list]:
+        """Run one call (or one piece of a pad or split call) and note (variant, seconds) for ``_count``."""
+        variant, runner = self._dispatch(sizes)
+        start = time.perf_counter()
+        outputs = runner.run(tensors)
+        runs.append((variant.id, time.perf_counter() - start))
+        return outputs, [variant.id]
+
+    def _count(self, key: tuple[int, ...], runs: list[tuple[str, float]]) -> None:
+        """Count one finished call: once in total and once per variant it ran on, each run of compiled
+        code (a split's pieces) as a piece, and its shape."""
+        with self._stats_lock:
+            self._total += 1
+            counted = set()
+            for vid, seconds in runs:
+                entry = self._calls[vid]
+                if vid not in counted:
+                    counted.add(vid)
+                    entry[0] += 1
+                entry[1] += 1
+                entry[2] += seconds
+            count = self._shapes.get(key)
+            if count is not None:
+                self._shapes[key] = count + 1
+            elif len(self._shapes) < MAX_SHAPES_TRACKED:
+                self._shapes[key] = 1
+            else:
+                self._shapes_dropped += 1
+
+    def stats(self) -> dict[str, Any]:
+        """Calls and compute time per variant, and the histogram of shapes seen.
+
+        ``calls`` counts every finished call once. Per variant, ``calls`` counts the calls that ran on
+        it (a pad or split call counts once on each variant its pieces used), ``pieces`` the runs of its
+        compiled code (a split call of three pieces adds three) and ``seconds`` their time.
+        ``shapes`` uses the ``{"dims": {...}, "count": N}`` form that a profile's
+        ``distribution.file`` reads (one object a line), so serving traffic can feed the next build.
+        """
+        with self._stats_lock:
+            return {
+                "calls": self._total,
+                "variants": {
+                    vid: {"calls": c, "pieces": p, "seconds": s, "precision": self.variant_precision[vid]}
+                    for vid, (c, p, s) in self._calls.items()
+                },
+                "precision": {"served": list(self.precision.order), "skipped": dict(self.precision.skipped)},
+                "shapes": [
+                    {"dims": dict(zip(self._dim_order, key)), "count": n}
+                    for key, n in sorted(self._shapes.items(), key=lambda kv: (-kv[1], kv[0]))
+                ],
+                "shapes_not_tracked": self._shapes_dropped,
+            }
+
+    def reset_stats(self) -> None:
+        with self._stats_lock:
+            self._total = 0
+            self._calls = {vid: [0, 0, 0.0] for vid in self._runners}  # calls, pieces, seconds
+            self._shapes = {}
+            self._shapes_dropped = 0
+
+    def warmup(self) -> None:
+        """Run every variant once on its hint shape, so the first real request meets warm code.
+        Warm-up calls are not counted in ``stats()``."""
+        for v in self._variants:
+            self.run_variant(v.id, *self.example_inputs(v))
+
+    def example_inputs(self, variant: Variant) -> list:
+        """Valid inputs at ``variant``'s hint shape (for warm-up and probes), each filled with its
+        smallest valid value (0 may be outside an integer input's range)."""
+        return [
+            self._full([variant.hint[s] if isinstance(s, str) else s for s in spec.shape], spec.range.min if spec.range is not None else 0, spec.dtype)
+            for spec in self.manifest.inputs
+        ]
+
+    def _full(self, shape: list[int], value: float, dtype: str) -> Any:
+        """An array of the model's kind (a torch tensor on its device, a numpy array), filled with ``value``."""
+        raise NotImplementedError
+
+    def _outputs(self, outputs: list) -> Any:
+        if self._single_tensor:
+            return outputs[0]
+        return _unflatten(self._output, iter(outputs))
+
+    def _dispatch(self, sizes: dict[str, int]) -> tuple[Variant, Any]:
+        for static, dynamic in self._tiers:
+            if static:
+                hit = static.get(tuple(sizes[d] for d in self._dim_order))
+                if hit is not None:
+                    return hit
+            for v, runner, bounds in dynamic:
+                for d, lo, hi in bounds:
+                    if not lo <= sizes[d] <= hi:
+                        break
+                else:
+                    return v, runner
+        shape = ", ".join(f"{d}={sizes[d]}" for d in self._dim_order)
+        covered = "; ".join(f"{v.id}: " + ", ".join(f"{d} {v.dims[d]}" for d in self._dim_order) for v in self._variants)
+        raise GuardError(f"no compiled variant covers {shape} (variants: {covered})", reason="no_variant")
+
+
+def _volume(v: Variant) -> int:
+    out = 1
+    for r in v.dims.values():
+        out *= r.max - r.min + 1
+    return out
+
+
+def _unflatten(spec: OutputSpec, flat) -> Any:
+    if spec.kind == "tensor":
+        return next(flat)
+    items = [_unflatten(item, flat) for item in spec.items]
+    if spec.kind == "tuple":
+        return tuple(items)
+    if spec.kind == "list":
+        return items
+    return dict(zip(spec.keys, items))

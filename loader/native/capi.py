@@ -1,0 +1,261 @@
+"""The C interfaces the torch-free loader calls through ctypes, and nothing else of torch.
+
+- libtorch_cpu's stable C shim (``torch/csrc/inductor/aoti_torch/c/shim.h``): tensors made around
+  memory we own (``aoti_torch_create_tensor_from_blob_v2``), read back (``aoti_torch_get_*``) and
+  freed (``aoti_torch_delete_tensor_object``); dtype and device codes are asked of the library, never
+  hard-coded (they are not part of the ABI).
+- a compiled model's container (``torch/csrc/inductor/aoti_runtime/interface.h``): create it for
+  "cpu", list its inputs, outputs and constants, hand it the weights in place
+  (``...UpdateUserManagedConstantBufferPairs``: the tensors keep pointing into our memory map), run it.
+
+Both are what torch's own runner (``AOTIModelContainerRunner``) calls; the C++ package loader adds
+only unzipping and the proxy executor, which this path refuses to need (``loader.native.package``).
+Every call returns an error code; a failure raises ``CallFailed`` with the runtime's last message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from ctypes import POINTER, byref, c_bool, c_char_p, c_int32, c_int64, c_size_t, c_void_p
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..constants import DTYPES
+
+# numpy has no bfloat16: an artifact whose inputs or outputs are bfloat16 needs the torch loader.
+NUMPY_DTYPES = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
+
+
+class CallFailed(RuntimeError):
+    """A call into compiled code or libtorch's shim returned an error."""
+
+
+class ConstantMapEntry(ctypes.Structure):
+    _fields_ = [("name", c_char_p), ("handle", c_void_p)]
+
+
+_SHIM = {
+    # name: (argument types, result type); AOTITorchError is int32, 0 is success
+    "aoti_torch_create_tensor_from_blob_v2": (
+        [c_void_p, c_int64, POINTER(c_int64), POINTER(c_int64), c_int64, c_int32, c_int32, c_int32, POINTER(c_void_p), c_int32, c_void_p, c_int64],
+        c_int32,
+    ),
+    "aoti_torch_delete_tensor_object": ([c_void_p], c_int32),
+    "aoti_torch_get_data_ptr": ([c_void_p, POINTER(c_void_p)], c_int32),
+    "aoti_torch_get_dim": ([c_void_p, POINTER(c_int64)], c_int32),
+    "aoti_torch_get_sizes": ([c_void_p, POINTER(POINTER(c_int64))], c_int32),
+    "aoti_torch_get_strides": ([c_void_p, POINTER(POINTER(c_int64))], c_int32),
+    "aoti_torch_get_dtype": ([c_void_p, POINTER(c_int32)], c_int32),
+    "aoti_torch_device_type_cpu": ([], c_int32),
+    "aoti_torch_layout_strided": ([], c_int32),
+    **{f"aoti_torch_dtype_{name}": ([], c_int32) for name in DTYPES},
+}
+
+_CONTAINER = {
+    "AOTInductorModelContainerCreateWithDevice": ([POINTER(c_void_p), c_size_t, c_char_p, c_char_p], c_int32),
+    "AOTInductorModelContainerDelete": ([c_void_p], c_int32),
+    "AOTInductorModelContainerRun": (
+        [c_void_p, POINTER(c_void_p), c_size_t, POINTER(c_void_p), c_size_t, c_void_p, c_void_p],
+        c_int32,
+    ),
+    "AOTInductorModelContainerGetNumInputs": ([c_void_p, POINTER(c_size_t)], c_int32),
+    "AOTInductorModelContainerGetNumOutputs": ([c_void_p, POINTER(c_size_t)], c_int32),
+    "AOTInductorModelContainerGetNumConstants": ([c_void_p, POINTER(c_size_t)], c_int32),
+    "AOTInductorModelContainerGetConstantName": ([c_void_p, c_size_t, POINTER(c_char_p)], c_int32),
+    "AOTInductorModelContainerGetConstantOriginalFQN": ([c_void_p, c_size_t, POINTER(c_char_p)], c_int32),
+    "AOTInductorModelContainerGetConstantFromFolded": ([c_void_p, c_size_t, POINTER(c_bool)], c_int32),
+    "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs": (
+        [c_void_p, POINTER(ConstantMapEntry), c_size_t, c_bool, c_bool],
+        c_int32,
+    ),
+}
+_OPTIONAL = {"AOTInductorGetLastError": ([POINTER(c_char_p)], c_int32)}
+
+
+def _bind(lib: ctypes.CDLL, table: dict, where: str, optional: bool = False) -> dict:
+    out = {}
+    for name, (args, result) in table.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if optional:
+                continue
+            raise CallFailed(f"{where} has no {name}: built by a torch whose C interface this loader does not know") from None
+        fn.argtypes, fn.restype = args, result
+        out[name] = fn
+    return out
+
+
+class Shim:
+    """libtorch_cpu's C shim, with the codes this libtorch gives dtypes, the CPU and strided layout."""
+
+    def __init__(self, libtorch: ctypes.CDLL):
+        self.lib = libtorch  # kept loaded as long as this object lives
+        f = _bind(libtorch, _SHIM, "libtorch_cpu")
+        self._from_blob = f["aoti_torch_create_tensor_from_blob_v2"]
+        self._delete = f["aoti_torch_delete_tensor_object"]
+        self._data_ptr = f["aoti_torch_get_data_ptr"]
+        self._dim = f["aoti_torch_get_dim"]
+        self._sizes = f["aoti_torch_get_sizes"]
+        self._strides = f["aoti_torch_get_strides"]
+        self._dtype = f["aoti_torch_get_dtype"]
+        self.cpu = f["aoti_torch_device_type_cpu"]()
+        self.strided = f["aoti_torch_layout_strided"]()
+        self.codes = {name: f[f"aoti_torch_dtype_{name}"]() for name in DTYPES}
+        self.names = {code: name for name, code in self.codes.items()}
+
+    def tensor(self, address: int, shape: Sequence[int], dtype: str) -> int:
+        """A new tensor handle viewing ``address`` as a C-contiguous ``dtype`` array of ``shape``; the
+        memory must outlive it (and every tensor compiled code makes from it)."""
+        ndim = len(shape)
+        sizes = (c_int64 * ndim)(*shape)
+        strides = (c_int64 * ndim)(*_contiguous_strides(shape))
+        handle = c_void_p()
+        _check(
+            self._from_blob(address, ndim, sizes, strides, 0, self.codes[dtype], self.cpu, 0, byref(handle), self.strided, None, 0),
+            "aoti_torch_create_tensor_from_blob_v2",
+        )
+        return handle.value
+
+    def delete(self, handle: int) -> None:
+        _check(self._delete(handle), "aoti_torch_delete_tensor_object")
+
+    def to_array(self, handle: int) -> np.ndarray:
+        """A numpy copy of the tensor ``handle`` (any strides), then the handle is freed."""
+        try:
+            ndim, ptr, dtype = c_int64(), c_void_p(), c_int32()
+            sizes, strides = POINTER(c_int64)(), POINTER(c_int64)()
+            _check(self._dim(handle, byref(ndim)), "aoti_torch_get_dim")
+            _check(self._sizes(handle, byref(sizes)), "aoti_torch_get_sizes")
+            _check(self._strides(handle, byref(strides)), "aoti_torch_get_strides")
+            _check(self._dtype(handle, byref(dtype)), "aoti_torch_get_dtype")
+            _check(self._data_ptr(handle, byref(ptr)), "aoti_torch_get_data_ptr")
+            shape = tuple(sizes[i] for i in range(ndim.value))
+            steps = tuple(strides[i] for i in range(ndim.value))
+            name = self.names.get(dtype.value)
+            if name not in NUMPY_DTYPES:
+                raise CallFailed(
+                    f"an output is {name or f'dtype code {dtype.value}'}, which numpy cannot hold: load this artifact with loader.load()"
+                )
+            out = np.empty(shape, NUMPY_DTYPES[name])
+            if out.size == 0:
+                return out
+            if steps == _contiguous_strides(shape):
+                ctypes.memmove(out.ctypes.data, ptr.value, out.nbytes)
+                return out
+            itemsize = out.itemsize
+            extent = (1 + sum((n - 1) * s for n, s in zip(shape, steps))) * itemsize
+            flat = np.frombuffer((ctypes.c_char * extent).from_address(ptr.value), dtype=out.dtype)
+            out[...] = np.lib.stride_tricks.as_strided(flat, shape, [s * itemsize for s in steps])
+            return out
+        finally:
+            self.delete(handle)
+
+
+class Container:
+    """One compiled model (a variant's library) and its container of one model instance, for "cpu".
+
+    ``run`` takes C-contiguous numpy arrays in forward() order (the guards checked them) and returns
+    numpy copies of the outputs. Calls are serialised by the container itself (one instance).
+    """
+
+    def __init__(self, shim: Shim, library: Path):
+        self.shim = shim
+        try:
+            self.lib = ctypes.CDLL(str(library))  # RTLD_LOCAL: each variant's library keeps its own symbols
+        except OSError as e:
+            raise CallFailed(f"cannot open the compiled library: {e}") from None
+        f = _bind(self.lib, _CONTAINER, "the compiled library")
+        self._last_error = _bind(self.lib, _OPTIONAL, "", optional=True).get("AOTInductorGetLastError")
+        self._run = f["AOTInductorModelContainerRun"]
+        self._f = f
+        handle = c_void_p()
+        self._call("AOTInductorModelContainerCreateWithDevice", byref(handle), 1, b"cpu", None)
+        self.handle = handle.value
+        # Deleted with this object (or by close()); the library itself stays mapped: ctypes never unloads one.
+        self._finalizer = weakref.finalize(self, f["AOTInductorModelContainerDelete"], self.handle)
+        self.num_inputs = self._size("AOTInductorModelContainerGetNumInputs")
+        self.num_outputs = self._size("AOTInductorModelContainerGetNumOutputs")
+        self._lock = threading.Lock()  # guards close() against a run in flight
+
+    def constant_names(self) -> dict[str, str]:
+        """Original FQN (what the manifest lists) -> the container's own name, for every constant it
+        expects to be given (folded ones it computes itself)."""
+        names = {}
+        for i in range(self._size("AOTInductorModelContainerGetNumConstants")):
+            folded = c_bool()
+            self._call("AOTInductorModelContainerGetConstantFromFolded", self.handle, i, byref(folded))
+            if folded.value:
+                continue
+            name, fqn = c_char_p(), c_char_p()
+            self._call("AOTInductorModelContainerGetConstantName", self.handle, i, byref(name))
+            self._call("AOTInductorModelContainerGetConstantOriginalFQN", self.handle, i, byref(fqn))
+            names[fqn.value.decode()] = name.value.decode()
+        return names
+
+    def use_constants(self, tensors: dict[str, int]) -> None:
+        """Hand the container every constant (its own name -> a tensor handle) to use in place; the
+        handles stay ours (the container keeps its own references to the same memory)."""
+        entries = (ConstantMapEntry * len(tensors))(*[ConstantMapEntry(n.encode(), h) for n, h in tensors.items()])
+        # use_inactive=False; validate_full_update=True: a constant left out would be read as null.
+        self._call("AOTInductorModelContainerUpdateUserManagedConstantBufferPairs", self.handle, entries, len(tensors), False, True)
+
+    def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        shim = self.shim
+        inputs = (c_void_p * self.num_inputs)(*[shim.tensor(a.ctypes.data, a.shape, a.dtype.name) for a in arrays])
+        outputs = (c_void_p * self.num_outputs)()
+        with self._lock:
+            if self.handle is None:
+                raise CallFailed("the model was closed")
+            # The input handles are stolen by the container (it frees them); the outputs are ours.
+            self._check(self._run(self.handle, inputs, self.num_inputs, outputs, self.num_outputs, None, None), "run")
+        results, failed = [], None
+        for h in outputs:  # every handle is freed, even after one output cannot be read
+            try:
+                results.append(shim.to_array(h))
+            except CallFailed as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        return results
+
+    def close(self) -> None:
+        """Delete the container now (later runs raise CallFailed)."""
+        with self._lock:
+            if self.handle is not None:
+                self._finalizer()
+                self.handle = None
+
+    def _size(self, name: str) -> int:
+        out = c_size_t()
+        self._call(name, self.handle, byref(out))
+        return out.value
+
+    def _call(self, name: str, *args) -> None:
+        self._check(self._f[name](*args), name.removeprefix("AOTInductorModelContainer"))
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            message = ""
+            if self._last_error is not None:
+                text = c_char_p()
+                if self._last_error(byref(text)) == 0 and text.value:
+                    message = ": " + text.value.decode(errors="replace").strip()
+            raise CallFailed(f"compiled code: {what} failed{message}")
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise CallFailed(f"libtorch: {what} failed")
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -1,0 +1,229 @@
+"""``load_native()``: an artifact's CPU variants served with numpy arrays, torch never imported.
+
+What ``loader.load`` checks before it opens compiled code is done by the same code (``loader.source``:
+manifest, signature, expiry, rollback, host and ISA compatibility, sizes and hashes; the host facts
+come from ``loader.native.libs``); the call path is ``loader.dispatch``'s (guards, static table,
+tightest dynamic range, pad/split policies, stats). What differs is what runs the compiled code: each
+variant's library is opened with ctypes and driven through its C interface (``loader.native.capi``),
+its weights handed over in place from the same memory map (``weights.safetensors``, zero-copy).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from ..dispatch import ServedModel
+from ..errors import ArtifactError, IncompatibleArtifactError
+from ..manifest import Manifest, Variant
+from ..precision import REQUESTS, Choice, choose
+from ..source import open_artifact
+from ..weights import MappedWeights
+from .capi import NUMPY_DTYPES, CallFailed, Container, Shim
+from .libs import find_torch, host_facts, start_runtime
+from .npguards import NUMPY_OPS, ArrayGuard
+from .package import library_bytes, read_package
+
+USE_TORCH = "load it with loader.load(), which runs it through torch"
+
+
+class NativeModel(ServedModel):
+    """A loaded artifact served without torch: call it with numpy arrays like the module's forward();
+    the result has forward()'s structure, with numpy arrays. See ``load_native``."""
+
+    device = "cpu"
+    device_type = "cpu"
+
+    def __init__(
+        self,
+        root: Path,
+        manifest: Manifest,
+        weights: MappedWeights,
+        runners: dict[str, Any],
+        *,
+        digest: str | None = None,
+        precision: Choice = Choice(("fp32",)),
+    ):
+        guard = ArrayGuard(manifest.inputs, manifest.dims, unchecked={d for d, p in manifest.policy.items() if p != "error"})
+        super().__init__(root, manifest, weights, runners, guard, NUMPY_OPS, digest=digest, precision=precision)
+
+    def _full(self, shape: list[int], value: float, dtype: str) -> np.ndarray:
+        return np.full(shape, value, dtype=NUMPY_DTYPES[dtype])
+
+    def close(self) -> None:
+        """Free every variant's compiled model now (calls after this raise); the weights' memory is
+        released with the last reference to this object."""
+        for runner in self._runners.values():
+            runner.container.close()
+
+    def __repr__(self) -> str:
+        return f"<NativeModel {self.name!r} from {str(self.path)!r}: {len(self._runners)} variant(s) on cpu, without torch>"
+
+
+class _Runner:
+    """Runs one variant's container; floating inputs are cast first for a variant that computes in
+    another dtype (``Variant.dtype``)."""
+
+    def __init__(self, container: Container, dtype: np.dtype | None):
+        self.container = container
+        self.dtype = dtype
+
+    def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        if self.dtype is not None:
+            arrays = [a.astype(self.dtype) if a.dtype.kind == "f" else a for a in arrays]
+        return self.container.run(arrays)
+
+
+def load_native(
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    trusted_keys: Iterable[Any] | None = None,
+    min_version: int | None = None,
+    refuse_rollback: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    state_dir: str | os.PathLike | None = None,
+    threads: int | None = None,
+    precision: str = "auto",
+) -> NativeModel:
+    """Load an artifact's CPU variants without importing torch; call the result with numpy arrays.
+
+    The options are ``loader.load``'s (``device`` is always CPU; ``copy_inputs`` has no use: numpy
+    arrays live in CPU memory). The torch wheel must be installed (its shared libraries run the code)
+    but is not imported. Before it opens the OpenMP runtime, ``OMP_WAIT_POLICY=PASSIVE`` (unless set)
+    and ``OMP_NUM_THREADS`` (``threads``, by default torch's count cut to the CPUs this process gets)
+    are put in the environment.
+
+    Raises what ``loader.load`` raises, for the same reasons; and IncompatibleArtifactError, saying to
+    use ``loader.load``, for what this path cannot run: variants that need torch's proxy executor (ops
+    without a C shim), CUDA-only artifacts, bfloat16 inputs (numpy has no bfloat16).
+
+    >>> model = load_native("artifacts/text-classifier")
+    >>> logits = model(ids, mask)        # numpy int64 and bool arrays in, a numpy float32 array out
+    """
+    if precision not in REQUESTS:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
+    torch = find_torch()
+    try:
+        opened = open_artifact(
+            path,
+            device="cpu",
+            verify=verify,
+            trusted_keys=trusted_keys,
+            min_version=min_version,
+            refuse_rollback=refuse_rollback,
+            cache_dir=cache_dir,
+            state_dir=state_dir,
+            host=host_facts(torch),
+        )
+    except IncompatibleArtifactError as e:
+        raise IncompatibleArtifactError(f"{e}\n  (the torch-free loader runs CPU variants only; for others {USE_TORCH})") from None
+    with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
+        root, manifest = opened.root, opened.manifest
+        _refuse_inputs(manifest, str(root))
+        weights = opened.weights()
+        weights.check(manifest.constants)
+        choice, served = _choose(root, manifest, precision, host_facts(torch).cpu_features)
+        shim = start_runtime(torch, threads)
+        runners = _open_runners(shim, root, manifest, served, weights)
+        model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice)
+        opened.loaded()
+    return model
+
+
+def _choose(root: Path, manifest: Manifest, precision: str, features: frozenset[str]) -> tuple[Choice, list[Variant]]:
+    """The precisions and CPU variants to serve, as ``loader.load`` chooses them, except that a lower
+    precision whose variants need torch is skipped under ``precision="auto"`` (fp32 serves instead)."""
+    cpu = [v for v in manifest.variants if v.device == "cpu"]
+    # What the build recorded or, for an artifact built before it did, what the package shows.
+    why = {v.id: v.needs_torch or read_package(root / v.file).problem() for v in cpu}
+    blocked = {v.precision: why[v.id] for v in cpu if why[v.id] and v.precision != "fp32"} if precision == "auto" else {}
+    choice = choose([v for v in cpu if v.precision not in blocked], precision, features, str(root))
+    if blocked:
+        choice = replace(choice, skipped={**choice.skipped, **{p: f"needs torch: {w}" for p, w in blocked.items()}})
+    served = [v for v in cpu if choice.serves(v)]
+    for v in served:
+        if why[v.id]:
+            raise _needs_torch(root, v, why[v.id])
+    return choice, served
+
+
+def _refuse_inputs(manifest: Manifest, source: str) -> None:
+    for spec in manifest.inputs:
+        if spec.dtype not in NUMPY_DTYPES:
+            raise IncompatibleArtifactError(f"{source}: input {spec.name!r} is {spec.dtype}, which numpy has no dtype for; {USE_TORCH}")
+
+
+def _needs_torch(root: Path, v: Variant, why: str) -> IncompatibleArtifactError:
+    other = " (or load with precision='fp32', which does not serve it)" if v.precision != "fp32" else ""
+    return IncompatibleArtifactError(f"{root}: variant {v.id!r} cannot run without torch: {why}; {USE_TORCH}{other}")
+
+
+def _open_runners(shim: Shim, root: Path, manifest: Manifest, variants: list[Variant], weights: MappedWeights) -> dict[str, _Runner]:
+    """Open each variant's library and hand it its constants as views of ``weights``' buffer."""
+    runners: dict[str, _Runner] = {}
+    folder = Path(tempfile.mkdtemp(prefix="precompile-native-"))  # mode 0700: private to this user
+    try:
+        for v in variants:
+            package = read_package(root / v.file)
+            data = library_bytes(package) if package.library is not None else None
+            problem = package.problem(library_bytes=data)
+            if problem is not None:
+                raise _needs_torch(root, v, problem)
+            if v.dtype is not None and v.dtype not in NUMPY_DTYPES:
+                raise _needs_torch(root, v, f"it computes in {v.dtype}, which numpy cannot cast to")
+            library = folder / f"{v.id}.so"
+            library.write_bytes(data)
+            try:
+                container = Container(shim, library)
+            except CallFailed as e:
+                raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {e}") from None
+            finally:
+                library.unlink()  # the opened library stays mapped; nothing is left on disk
+            runners[v.id] = _Runner(container, NUMPY_DTYPES[v.dtype] if v.dtype is not None else None)
+            if (container.num_inputs, container.num_outputs) != (len(manifest.inputs), manifest.output.count()):
+                raise ArtifactError(
+                    f"{root}: variant {v.id!r}: the compiled code takes {container.num_inputs} inputs and gives "
+                    f"{container.num_outputs} outputs, the manifest says {len(manifest.inputs)} and "
+                    f"{manifest.output.count()} (files from different artifacts?)"
+                )
+            if not v.embedded_constants:  # a frozen package holds its own (hashed with it)
+                _hand_constants(shim, container, root, v, weights)
+    except BaseException:
+        for runner in runners.values():
+            runner.container.close()
+        raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if not runners:
+        raise IncompatibleArtifactError(f"{root}: no CPU variants to serve; {USE_TORCH}")
+    return runners
+
+
+def _hand_constants(shim: Shim, container: Container, root: Path, v: Variant, weights: MappedWeights) -> None:
+    """Give the container every constant it expects, in place: tensors viewing the weights' buffer
+    (which the model keeps alive), shaped as the safetensors header says."""
+    names = container.constant_names()
+    if set(names) != set(v.constants):
+        raise ArtifactError(
+            f"{root}: variant {v.id!r}: the compiled code needs constants {sorted(set(names) - set(v.constants))[:5]} "
+            f"that the manifest does not list (files from different artifacts?)"
+        )
+    base = weights.address
+    handles = {}
+    try:
+        for fqn, name in names.items():
+            stored = weights.stored[v.constant_prefix + fqn]
+            handles[name] = shim.tensor(base + stored.offset, stored.shape, stored.dtype)
+        container.use_constants(handles)
+    except CallFailed as e:
+        raise ArtifactError(f"{root}: variant {v.id!r}: the compiled code refused the weights: {e}") from None
+    finally:
+        for handle in handles.values():
+            shim.delete(handle)
