@@ -1,5 +1,8 @@
 """The loader's exceptions. Every failure a caller can cause or a file can contain is one of these."""
 
+import importlib
+from types import ModuleType
+
 
 class LoaderError(Exception):
     """Base of every error the loader raises on purpose."""
@@ -33,3 +36,12 @@ class GuardError(LoaderError, ValueError):
 class InsecurePathError(LoaderError):
     """A cache or state folder, or a file in one, that another user owns or that group or others can
     write: what it holds could have been planted, so it is refused (the message says how to fix it)."""
+
+
+def import_extra(module: str, needed_for: str) -> ModuleType:
+    """Import ``module`` of the ``packs`` extra (zstandard, cryptography), which the runtime alone
+    leaves out, or raise a LoaderError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise LoaderError(f"{needed_for} needs {module}, which is not installed: pip install 'precompile[packs]'") from None

@@ -301,7 +301,7 @@ class Live:
                 else:
                     resolved = resolve_pointer(requested)
                 start = time.perf_counter()
-                model = load(resolved, **self.load_options)
+                model = load(resolved, warmup=False, **self.load_options)  # warmed below: a SwapError if it fails
                 version = model.manifest.version
                 digest = model.digest
                 self._refuse_mismatch(model, rollback_ok=self.allow_rollback if allow_rollback is None else allow_rollback)

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from precompile import __version__
 from precompile.cli import main
 
-COMMANDS = sorted(main.commands)
+COMMANDS = main.list_commands(None)
 
 
 def invoke(*args: str):
@@ -21,7 +21,7 @@ def invoke(*args: str):
 def test_every_command_has_help(command):
     result = invoke(command, "--help")
     assert result.exit_code == 0
-    first_line = main.commands[command].help.split("\n")[0]
+    first_line = main.get_command(None, command).help.split("\n")[0]
     assert " ".join(first_line.split()) in " ".join(result.output.split())
 
 
