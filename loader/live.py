@@ -373,8 +373,8 @@ class Live:
             raise SwapError(f"{where}: its output structure differs from the serving version's; callers would break")
         if new_m.version < old_m.version and not rollback_ok:
             raise SwapError(
-                f"{where}: version {new_m.version} is older than the serving version {old_m.version} "
-                "(a rollback: allow it explicitly)"
+                f"{where}: version {new_m.version} is older than the serving version {old_m.version} (a rollback); "
+                "to allow it, serve with --allow-rollback (Live(..., allow_rollback=True) or swap(..., allow_rollback=True))"
             )
 
     # --- watching ------------------------------------------------------------------------------

@@ -68,6 +68,24 @@ class OutputSpec:
     def count(self) -> int:
         return 1 if self.kind == "tensor" else sum(item.count() for item in self.items)
 
+    def names(self) -> list[str]:
+        """One name per flat output, in order: ``output`` for a lone tensor, else the path of keys
+        and indices (``logits``, ``output.0``, ``hidden.1``)."""
+        if self.kind == "tensor":
+            return ["output"]
+        names: list[str] = []
+
+        def walk(s: OutputSpec, path: list[str]) -> None:
+            if s.kind == "tensor":
+                names.append(".".join(path))
+                return
+            keys = list(s.keys) if s.kind == "dict" else [str(i) for i in range(len(s.items))]
+            for key, item in zip(keys, s.items):
+                walk(item, path + [key])
+
+        walk(self, [] if self.kind == "dict" else ["output"])
+        return names
+
     def to_dict(self) -> dict[str, Any]:
         if self.kind == "tensor":
             return {"kind": "tensor"}

@@ -22,7 +22,7 @@ from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts
 from .manifest import Manifest, OutputSpec, Variant
 from .cuda import GraphedRunner, parse_device
-from .policy import Policies
+from .policy import Plan, Policies
 from .precision import REQUESTS, Choice, choose
 from .source import open_artifact
 from .threads import fit_threads
@@ -124,9 +124,13 @@ class CompiledModel:
     def input_names(self) -> tuple[str, ...]:
         return self._guard.names
 
-    def select(self, *args: Any, **kwargs: Any) -> Variant:
-        """The variant a call with these inputs would run on (checks the guards, runs nothing)."""
+    def select(self, *args: Any, **kwargs: Any) -> Variant | Plan:
+        """The variant a call with these inputs would run on, or for a call that a pad or split policy
+        serves, the policy's ``Plan`` (its pieces and the variant of each; ``id`` as ``call_detailed``
+        reports it). Checks the guards, runs nothing; raises the GuardError the call would raise."""
         tensors, sizes = self._guard.check(args, kwargs)
+        if self._policies is not None and self._policies.needed(sizes):
+            return self._policies.plan(sizes, lambda s: self._dispatch(s)[0])
         return self._dispatch(sizes)[0]
 
     def check(self, *args: Any, **kwargs: Any) -> tuple[list[torch.Tensor], dict[str, int], Variant | None]:

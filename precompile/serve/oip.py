@@ -195,20 +195,7 @@ def _output_metadata(serving: Serving) -> list[dict[str, Any]]:
 
 def output_names(spec: OutputSpec) -> list[str]:
     """Flat output names, in the order of the flattened outputs (see the module docstring)."""
-    if spec.kind == "tensor":
-        return ["output"]
-    names: list[str] = []
-
-    def walk(s: OutputSpec, path: list[str]) -> None:
-        if s.kind == "tensor":
-            names.append(".".join(path))
-            return
-        keys = list(s.keys) if s.kind == "dict" else [str(i) for i in range(len(s.items))]
-        for key, item in zip(keys, s.items):
-            walk(item, path + [key])
-
-    walk(spec, [] if spec.kind == "dict" else ["output"])
-    return names
+    return spec.names()
 
 
 def flatten_outputs(spec: OutputSpec, value: Any) -> list[torch.Tensor]:
