@@ -140,6 +140,16 @@ def test_a_command_whose_extra_is_missing_says_which_to_install(tmp_path):
     assert "serve     Serve ARTIFACT over HTTP" in listing.stdout
 
 
+def test_the_command_without_click_names_the_extras(tmp_path):
+    env = blocked_env(tmp_path / "site", NOT_RUNTIME)
+    result = subprocess.run([sys.executable, "-m", "precompile", "--help"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "precompile: the command line needs the serve or the build extra: "
+        "pip install 'precompile[serve]' (to serve) or 'precompile[build]' (to build)"
+    )
+
+
 def test_every_command_is_listed_and_registers_itself():
     assert main.list_commands(None) == sorted(COMMANDS)
     for name in COMMANDS:

@@ -8,7 +8,13 @@ import importlib
 import importlib.util
 from typing import Any, Callable
 
-import click
+try:
+    import click
+except ImportError:  # the runtime alone: `import loader` works, the command line needs an extra
+    raise SystemExit(
+        "precompile: the command line needs the serve or the build extra: "
+        "pip install 'precompile[serve]' (to serve) or 'precompile[build]' (to build)"
+    ) from None
 
 from loader.errors import LoaderError
 
