@@ -15,7 +15,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 
@@ -90,25 +89,33 @@ def test_the_image_entrypoint_serves_and_drains_on_sigterm(classifier_artifact, 
         expected = loader.load(classifier_artifact, warmup=False)(ids, mask)
         body = json.dumps({"inputs": {"ids": ids.tolist(), "mask": mask.tolist()}}).encode()
 
-        # One request whose body is half sent when SIGTERM arrives: in flight during the drain.
-        in_flight = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
-        in_flight.putrequest("POST", "/predict")
-        in_flight.putheader("Content-Type", "application/json")
-        in_flight.putheader("Content-Length", str(len(body)))
-        in_flight.endheaders()
-        in_flight.send(body[: len(body) // 2])
-        time.sleep(0.3)  # the server has read the request line and headers
+        # One request in flight during the drain: the server has read its headers and asked for its
+        # body (100 Continue), which is sent only after SIGTERM.
+        in_flight = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+        in_flight.sendall(
+            f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
+        assert in_flight.recv(64).startswith(b"HTTP/1.1 100 Continue")
         process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        deadline = time.monotonic() + DEADLINE
+        while time.monotonic() < deadline:  # the listening socket closes: no new connections
+            try:
+                get(port, "/healthz")
+            except OSError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("still accepting connections after SIGTERM")
         assert process.poll() is None, "the server exited with a request in flight"
-        with pytest.raises(OSError):  # no new connections once draining
-            get(port, "/healthz")
-        in_flight.send(body[len(body) // 2 :])
-        response = in_flight.getresponse()
-        answer = json.loads(response.read())
-        assert response.status == 200, answer
-        torch.testing.assert_close(torch.tensor(answer["outputs"]), expected)
+        in_flight.sendall(body)
+        response = b""
+        while chunk := in_flight.recv(65536):  # the server closes the connection after answering
+            response += chunk
         in_flight.close()
+        head, _, payload = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), response
+        torch.testing.assert_close(torch.tensor(json.loads(payload)["outputs"]), expected)
         output, _ = process.communicate(timeout=DEADLINE)
     finally:
         if process.poll() is None:
