@@ -66,8 +66,9 @@ def missing_modules(extra: str | None) -> list[str]:
 
 
 def _importable(module: str) -> bool:
+    # The top-level name only: finding ruamel.yaml would import ruamel, and --help imports nothing.
     try:
-        return importlib.util.find_spec(module) is not None
+        return importlib.util.find_spec(module.split(".")[0]) is not None
     except (ImportError, ValueError):
         return False
 
