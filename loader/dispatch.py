@@ -18,7 +18,7 @@ from typing import Any
 from .errors import GuardError
 from .manifest import Manifest, Variant
 from .outputs import unflatten
-from .policy import ArrayOps, Policies
+from .policy import ArrayOps, Plan, Policies
 from .precision import Choice
 from .shapes import ShapeGuard
 from .weights import MappedWeights
@@ -96,9 +96,13 @@ class ServedModel:
     def input_names(self) -> tuple[str, ...]:
         return self._guard.names
 
-    def select(self, *args: Any, **kwargs: Any) -> Variant:
-        """The variant a call with these inputs would run on (checks the guards, runs nothing)."""
+    def select(self, *args: Any, **kwargs: Any) -> Variant | Plan:
+        """The variant a call with these inputs would run on, or for a call that a pad or split policy
+        serves, the policy's ``Plan`` (its pieces and the variant of each; ``id`` as ``call_detailed``
+        reports it). Checks the guards, runs nothing; raises the GuardError the call would raise."""
         tensors, sizes = self._guard.check(args, kwargs)
+        if self._policies is not None and self._policies.needed(sizes):
+            return self._policies.plan(sizes, lambda s: self._dispatch(s)[0])
         return self._dispatch(sizes)[0]
 
     def check(self, *args: Any, **kwargs: Any) -> tuple[list, dict[str, int], Variant | None]:

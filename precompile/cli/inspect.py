@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from loader.cuda import derived_kernels
+from loader.outputs import output_names
 
 from . import main, user_errors
 
@@ -15,7 +16,7 @@ from . import main, user_errors
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @user_errors
 def inspect(artifact: Path, as_json: bool) -> None:
-    """Show what an artifact (folder or pack) holds: target, torch, inputs and dim ranges, variants, files."""
+    """Show what an artifact (folder or pack) holds: target, torch, inputs, outputs, dim ranges, variants, files."""
     from loader.artifact import read_manifest
     from loader.pack import read_head
 
@@ -36,6 +37,11 @@ def describe(manifest) -> str:
     ]
     for spec in manifest.inputs:
         lines.append(f"  {spec.name:<12} {spec.dtype:<9} [{', '.join(str(s) for s in spec.shape)}]")
+    lines.append(f"outputs   ({manifest.output.kind})")
+    for i, name in enumerate(output_names(manifest.output)):
+        axes = manifest.output_dims[i] if manifest.output_dims is not None else None
+        shape = "[" + ", ".join(d or "·" for d in axes) + "]" if axes is not None else "(axes not recorded)"
+        lines.append(f"  {name:<12} {shape}")
     lines.append("dims")
     for d, r in manifest.dims.items():
         lines.append(f"  {d:<12} {r}")
