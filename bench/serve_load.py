@@ -313,7 +313,7 @@ def eager_server(artifact: str, profile: str, port: int, serve_args: str) -> Non
     import loader.model
     from loader.artifact import read_manifest
     from precompile.profile import load_profile
-    from precompile.runners import flatten
+    from loader.outputs import flatten
     from precompile.serve.app import create_app
     from precompile.serve.config import ServeConfig
     from precompile.stages.resolve import resolve_model

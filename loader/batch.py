@@ -34,6 +34,10 @@ outputs.
 
 A batch that fails is retried call by call, so one bad call cannot fail its batch-mates. A call whose
 future was cancelled before its batch ran (the caller went away) is dropped from it.
+
+This module is the worker thread and its queue; the decisions above are ``loader.batch_plan``'s
+(pure functions of the manifest and a call's sizes) and the joining of inputs and cutting of
+outputs ``loader.batch_tensors``'s.
 """
 
 from __future__ import annotations
@@ -42,16 +46,17 @@ import bisect
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from .batch_plan import BatchPlan, Placement, aim, batch_plan, place
+from .batch_tensors import NotBatched, join_inputs, split_outputs
 from .errors import LoaderError
 from .live import Live, Serving
 from .model import CompiledModel
 
-BATCH_DIM = "batch"  # the batch dim of artifacts without a ``batching`` section
 # Upper bounds (ms) of the queue-wait histogram's buckets; the last bucket is everything above.
 WAIT_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 
@@ -64,146 +69,24 @@ class BatcherClosed(LoaderError):
     """The batcher was closed; it takes no more calls."""
 
 
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one model is batched: its batch dim (None: call by call, ``why`` says why), the static
-    batch sizes per shape of the other dims, which of them padding may aim at, the batch axis of
-    each input and output, and the dims calls may differ in (padded) with the axes they touch."""
-
-    batch_dim: str | None
-    why: str = ""
-    statics: dict[tuple, list[int]] = field(default_factory=dict)  # other dims' sizes -> static batch sizes
-    pad_to: dict[tuple, dict[int, tuple[float, float]]] = field(default_factory=dict)  # -> size -> (static_ms, dynamic_ms)
-    others: tuple[str, ...] = ()  # the dims other than the batch dim, in the manifest's order (the keys above)
-    input_axes: tuple[int, ...] = ()  # per input, its batch axis (empty: axis 0 of every input)
-    output_axes: tuple[int, ...] | None = None  # per flat output, its batch axis; None: axis 0, checked per batch
-    pad_dims: tuple[str, ...] = ()  # the dims calls may differ in, padded to the batch's largest
-    pad_inputs: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per pad dim, per input: the axes it is on
-    pad_outputs: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per pad dim, per flat output: the axes following it
-    pad_values: tuple[float, ...] = ()  # per input, what padding fills it with
-
-    def input_axis(self, i: int) -> int:
-        return self.input_axes[i] if self.input_axes else 0
-
-
-def batch_plan(model: CompiledModel) -> BatchPlan:
-    """Find ``model``'s batch dim, padded dims and static sizes (see the module docstring)."""
-    m = model.manifest
-    section = m.batching
-    if section is not None:
-        dim = section.dim
-        input_axes = tuple(spec.shape.index(dim) for spec in m.inputs)
-        output_axes: tuple[int, ...] | None = tuple(axes.index(dim) for axes in m.output_dims or ())
-    else:
-        dim, input_axes, output_axes = BATCH_DIM, (), None
-        if dim not in m.dims:
-            return BatchPlan(None, f"no dim named {dim!r}")
-        for spec in m.inputs:
-            if not spec.shape or spec.shape[0] != dim or dim in spec.shape[1:]:
-                return BatchPlan(None, f"input {spec.name!r}: {dim!r} is not its axis 0 alone")
-        for i, axes in enumerate(m.output_dims or ()):
-            if not axes or axes[0] != dim or dim in axes[1:]:
-                return BatchPlan(None, f"output {i}: {dim!r} is not its axis 0 alone")
-        if m.output_dims is not None:
-            output_axes = tuple(0 for _ in m.output_dims)
-    others = tuple(d for d in m.dims if d != dim)
-    statics: dict[tuple, list[int]] = {}
-    for v in model.variants:
-        if v.kind == "static":
-            statics.setdefault(tuple(v.dims[d].min for d in others), []).append(v.dims[dim].min)
-    for sizes in statics.values():
-        sizes.sort()
-    measured = {entry["variant"]: entry for entry in m.check.get("measure", []) if entry.get("kept")}
-    pad_to: dict[tuple, dict[int, tuple[float, float]]] = {}
-    for v in model.variants:
-        entry = measured.get(v.id)
-        if v.kind == "static" and entry is not None:
-            key = tuple(v.dims[d].min for d in others)
-            pad_to.setdefault(key, {})[v.dims[dim].min] = (entry["static_ms"], entry["dynamic_ms"])
-    pad_dims = section.pad if section is not None else ()
-    return BatchPlan(
-        dim,
-        "",
-        statics,
-        pad_to,
-        others=others,
-        input_axes=input_axes,
-        output_axes=output_axes,
-        pad_dims=pad_dims,
-        pad_inputs=tuple(tuple(_axes(spec.shape, d) for spec in m.inputs) for d in pad_dims),
-        pad_outputs=tuple(tuple(_axes(axes, d) for axes in m.output_dims or ()) for d in pad_dims),
-        pad_values=tuple(section.pad_value.get(spec.name, 0.0) if section is not None else 0.0 for spec in m.inputs),
-    )
-
-
-def _axes(shape: tuple, dim: str) -> tuple[int, ...]:
-    return tuple(axis for axis, s in enumerate(shape) if s == dim)
-
-
-def aim(plan: BatchPlan, key: tuple, rows: int, max_rows: int, reach: tuple = ()) -> tuple[tuple, int]:
-    """The shape to run ``rows`` real rows at, whose other dims are ``key`` (padded dims already at the
-    batch's largest): ``(key, rows)``, or a static variant's larger shape, up to ``max_rows`` and
-    within ``reach`` (per padded dim, the range the batch was gathered in), where padding to it was
-    measured to pay (see the module docstring)."""
-    if rows in plan.statics.get(key, ()):
-        return key, rows
-    at = [plan.others.index(d) for d in plan.pad_dims]
-    work = rows * _product(key[i] for i in at)
-    best, best_work = (key, rows), None
-    for other, sizes in plan.pad_to.items():
-        if any(other[i] != key[i] for i in range(len(key)) if i not in at):
-            continue
-        if any(not key[i] <= other[i] <= hi for i, (_, hi) in zip(at, reach or [(0, 2**62)] * len(at))):
-            continue
-        for size, (static_ms, dynamic_ms) in sizes.items():
-            padded = size * _product(other[i] for i in at)
-            if rows <= size <= max_rows and static_ms <= dynamic_ms * work / padded and (best_work is None or padded < best_work):
-                best, best_work = (other, size), padded
-    return best
-
-
-def padded_size(plan: BatchPlan, key: tuple, rows: int, max_rows: int) -> int:
-    """The batch size to run ``rows`` real rows at: ``rows``, or a larger static size up to
-    ``max_rows`` where padding to it was measured to pay (see the module docstring)."""
-    return aim(plan, key, rows, max_rows)[1]
-
-
-def grow(t: torch.Tensor, axes: tuple[int, ...], size: int, value: float) -> torch.Tensor:
-    """``t`` grown to ``size`` along each of ``axes``, the new entries filled with ``value``."""
-    for axis in axes:
-        missing = size - t.shape[axis]
-        if missing > 0:
-            shape = list(t.shape)
-            shape[axis] = missing
-            t = torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=axis)
-    return t
-
-
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 @dataclass
 class _Call:
     model: CompiledModel  # the version whose guards passed the call
     tensors: list[torch.Tensor]
-    key: tuple  # (model, shapes and dtypes of every input but the batch axis and the padded axes)
-    rows: int
-    max_rows: int
+    spot: Placement  # its batch-mates' key, rows and limits
     plan: BatchPlan
-    other_sizes: tuple  # sizes of plan.others
     future: Future
     queued_at: float
-    pads: tuple = ()  # sizes of plan.pad_dims
-    reach: tuple = ()  # per padded dim, (lo, hi): the sizes calls batched with this one as the oldest may have
     waited: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return self.spot.rows
 
     def joins(self, first: _Call) -> bool:
         """Whether this call may run in a batch whose oldest call is ``first``."""
-        return self.key == first.key and all(lo <= n <= hi for n, (lo, hi) in zip(self.pads, first.reach))
+        mine, oldest = self.spot, first.spot
+        return mine.key == oldest.key and all(lo <= n <= hi for n, (lo, hi) in zip(mine.pads, oldest.reach))
 
 
 class Batcher:
@@ -269,21 +152,9 @@ class Batcher:
         model = self.target.model if isinstance(self.target, Live) else self.target
         tensors, sizes, variant = model.check(*args, **kwargs)
         plan = self._plan(model)
+        spot = place(plan, model, tensors, sizes, variant, max_batch=self.max_batch)
         future: Future = Future()
-        pads: tuple = ()
-        reach: tuple = ()
-        if plan.batch_dim is None or variant is None:  # no batch dim, or a pad/split policy serves it
-            key: tuple = (id(model), object())  # batch-mates of none
-            rows, max_rows, other_sizes = 1, 1, ()
-        else:
-            other_sizes = tuple(sizes[d] for d in plan.others)
-            key = (id(model), self._shape_key(plan, tensors))
-            rows = sizes[plan.batch_dim]
-            max_rows = self._max_rows(model, plan, sizes)
-            if plan.pad_dims:
-                pads = tuple(sizes[d] for d in plan.pad_dims)
-                reach, max_rows = self._reach(model, plan, sizes, pads, max_rows)
-        call = _Call(model, tensors, key, rows, max_rows, plan, other_sizes, future, time.monotonic(), pads, reach)
+        call = _Call(model, tensors, spot, plan, future, time.monotonic())
         with self._cond:
             if self._closed:
                 raise BatcherClosed("the batcher is closed")
@@ -306,42 +177,6 @@ class Batcher:
             self._plans = {id(model): entry}  # the latest version only: a swap retires the old one
         return entry[1]
 
-    @staticmethod
-    def _shape_key(plan: BatchPlan, tensors: list[torch.Tensor]) -> tuple:
-        """What calls batched together share: each input's dtype and sizes, but for its batch axis
-        and the axes of padded dims."""
-        free = [set() for _ in tensors]
-        for per_input in plan.pad_inputs:
-            for i, axes in enumerate(per_input):
-                free[i].update(axes)
-        return tuple(
-            (tuple(-1 if a == plan.input_axis(i) or a in free[i] else n for a, n in enumerate(t.shape)), t.dtype)
-            for i, t in enumerate(tensors)
-        )
-
-    def _reach(self, model: CompiledModel, plan: BatchPlan, sizes: dict[str, int], pads: tuple, max_rows: int) -> tuple[tuple, int]:
-        """Per padded dim, the sizes a batch this call starts may gather (the range of the tightest
-        dynamic variant holding the call, so the padded batch stays on compiled code made for such
-        sizes), and its row limit there; a call no dynamic variant holds batches with equal sizes."""
-        holding = [v for v in model.variants if v.kind == "dynamic" and all(sizes[d] in r for d, r in v.dims.items())]
-        if not holding:
-            return tuple((n, n) for n in pads), max_rows
-        tightest = min(holding, key=lambda v: _product(r.max - r.min + 1 for r in v.dims.values()))
-        reach = tuple((tightest.dims[d].min, tightest.dims[d].max) for d in plan.pad_dims)
-        return reach, max(1, min(max_rows, tightest.dims[plan.batch_dim].max))
-
-    def _max_rows(self, model: CompiledModel, plan: BatchPlan, sizes: dict[str, int]) -> int:
-        """The most rows a batch of this shape may hold: ``max_batch``, within the variants' reach."""
-        reach = max(
-            (
-                v.dims[plan.batch_dim].max
-                for v in model.variants
-                if all(sizes[d] in r for d, r in v.dims.items() if d != plan.batch_dim)
-            ),
-            default=1,
-        )
-        return max(1, min(reach, self.max_batch or reach))
-
     # --- the worker ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -353,7 +188,7 @@ class Batcher:
                     return
                 first = self._queue[0]
                 deadline = first.queued_at + self.max_delay
-                while not self._closed and self._rows_waiting(first) < first.max_rows:
+                while not self._closed and self._rows_waiting(first) < first.spot.max_rows:
                     if not self.wait_alone and self._last_batch_calls <= 1 and len(self._queue) == 1:
                         break  # a lone caller (the last batch was one call too) is not kept waiting
                     left = deadline - time.monotonic()
@@ -374,7 +209,7 @@ class Batcher:
         taken, kept, rows, dropped = [], [], 0, 0
         now = time.monotonic()
         for call in self._queue:
-            if call.joins(first) and (not taken or rows + call.rows <= first.max_rows):
+            if call.joins(first) and (not taken or rows + call.rows <= first.spot.max_rows):
                 if call.future.set_running_or_notify_cancel():
                     taken.append(call)
                     rows += call.rows
@@ -393,34 +228,24 @@ class Batcher:
     def _run(self, batch: list[_Call]) -> None:
         rows = sum(c.rows for c in batch)
         head = batch[0]
-        plan = head.plan
-        key = list(head.other_sizes)
+        plan, spot = head.plan, head.spot
+        key = list(spot.other_sizes)
         at = [plan.others.index(d) for d in plan.pad_dims]
         for j, i in enumerate(at):
-            key[i] = max(c.pads[j] for c in batch)
-        key, size = aim(plan, tuple(key), rows, head.max_rows, head.reach)
+            key[i] = max(c.spot.pads[j] for c in batch)
+        key, size = aim(plan, tuple(key), rows, spot.max_rows, spot.reach)
         target = [key[i] for i in at]
-        grown = sum(1 for c in batch if list(c.pads) != target)
+        grown = sum(1 for c in batch if list(c.spot.pads) != target)
         if len(batch) == 1 and size == rows and not grown:
             self._run_alone(head)
             self._count_batch(batch, rows, size, grown)
             return
         try:
-            inputs = []
-            for i in range(len(head.tensors)):
-                axis = plan.input_axis(i)
-                parts = [c.tensors[i] for c in batch]
-                for j, n in enumerate(target):
-                    parts = [grow(t, plan.pad_inputs[j][i], n, plan.pad_values[i]) for t in parts]
-                if size > rows:
-                    last = parts[-1].narrow(axis, parts[-1].shape[axis] - 1, 1)
-                    shape = list(last.shape)
-                    shape[axis] = size - rows
-                    parts.append(last.expand(shape))
-                inputs.append(torch.cat(parts, dim=axis))
+            inputs = join_inputs(plan, [c.tensors for c in batch], pads=target, rows=rows, size=size)
             outputs, variant, serving = self._call(inputs)
-            pieces = _split(outputs, plan, batch, size)
-        except _NotBatched as e:
+            shares = [(c.rows, c.spot.pads) for c in batch]
+            pieces = split_outputs(plan, head.model.manifest.output, outputs, shares, size=size)
+        except NotBatched as e:
             self._plans = {id(head.model): (head.model, BatchPlan(None, str(e)))}
             for call in batch:
                 self._run_alone(call)
@@ -517,45 +342,3 @@ class Batcher:
 
     def __repr__(self) -> str:
         return f"<Batcher max_batch={self.max_batch} max_delay_ms={self.max_delay * 1000:g} over {self.target!r}>"
-
-
-class _NotBatched(Exception):
-    """An output whose axis 0 is not the batch's size: the model cannot be batched this way."""
-
-
-def _split(outputs: Any, plan: BatchPlan, batch: list[_Call], size: int) -> list[Any]:
-    """Per call, its rows of every output (along the output's batch axis; the padding rows, up to
-    ``size``, left out) with every axis following a padded dim cut back to the call's own size,
-    in forward()'s structure."""
-    flat = _flatten(outputs)
-    per_call: list[list[torch.Tensor]] = [[] for _ in batch]
-    for k, t in enumerate(flat):
-        axis = plan.output_axes[k] if plan.output_axes is not None else 0
-        if t.dim() <= axis or t.shape[axis] != size:
-            raise _NotBatched(f"an output of shape {tuple(t.shape)} for a batch of {size}: its axis {axis} does not follow the batch")
-        start = 0
-        for c, call in enumerate(batch):
-            piece = t.narrow(axis, start, call.rows)
-            for j, n in enumerate(call.pads):
-                for a in plan.pad_outputs[j][k]:
-                    piece = piece.narrow(a, 0, n)
-            per_call[c].append(piece)
-            start += call.rows
-    return [_rebuild(outputs, iter(pieces)) for pieces in per_call]
-
-
-def _flatten(value: Any) -> list[torch.Tensor]:
-    """The output tensors in the manifest's flat order (dicts in their key order, as the loader builds them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = value.values() if isinstance(value, dict) else value
-    return [t for item in items for t in _flatten(item)]
-
-
-def _rebuild(like: Any, flat) -> Any:
-    """``like``'s structure holding the next tensors of ``flat``."""
-    if isinstance(like, torch.Tensor):
-        return next(flat)
-    if isinstance(like, dict):
-        return {k: _rebuild(v, flat) for k, v in like.items()}
-    return type(like)(_rebuild(v, flat) for v in like)

@@ -18,6 +18,9 @@ REFERENCES_FILE = "references.safetensors"  # a small input/output pair per vari
 VARIANTS_DIR = "variants"
 VARIANT_SUFFIX = ".pt2"
 
+# The OpenMP runtime's wait policy variable, read once when torch loads it (loader.threads).
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+
 # Inside an AOTInductor package the compiled model is stored under this name.
 AOTI_MODEL_NAME = "model"
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import GuardError
-from .manifest import Manifest, OutputSpec, Variant
-from .policy import ArrayOps, Policies
+from .manifest import Manifest, Variant
+from .outputs import unflatten
+from .policy import ArrayOps, Plan, Policies
 from .precision import Choice
 from .shapes import ShapeGuard
 from .weights import MappedWeights
@@ -95,9 +96,13 @@ class ServedModel:
     def input_names(self) -> tuple[str, ...]:
         return self._guard.names
 
-    def select(self, *args: Any, **kwargs: Any) -> Variant:
-        """The variant a call with these inputs would run on (checks the guards, runs nothing)."""
+    def select(self, *args: Any, **kwargs: Any) -> Variant | Plan:
+        """The variant a call with these inputs would run on, or for a call that a pad or split policy
+        serves, the policy's ``Plan`` (its pieces and the variant of each; ``id`` as ``call_detailed``
+        reports it). Checks the guards, runs nothing; raises the GuardError the call would raise."""
         tensors, sizes = self._guard.check(args, kwargs)
+        if self._policies is not None and self._policies.needed(sizes):
+            return self._policies.plan(sizes, lambda s: self._dispatch(s)[0])
         return self._dispatch(sizes)[0]
 
     def check(self, *args: Any, **kwargs: Any) -> tuple[list, dict[str, int], Variant | None]:
@@ -218,7 +223,7 @@ class ServedModel:
     def _outputs(self, outputs: list) -> Any:
         if self._single_tensor:
             return outputs[0]
-        return _unflatten(self._output, iter(outputs))
+        return unflatten(self._output, outputs)
 
     def _dispatch(self, sizes: dict[str, int]) -> tuple[Variant, Any]:
         for static, dynamic in self._tiers:
@@ -242,14 +247,3 @@ def _volume(v: Variant) -> int:
     for r in v.dims.values():
         out *= r.max - r.min + 1
     return out
-
-
-def _unflatten(spec: OutputSpec, flat) -> Any:
-    if spec.kind == "tensor":
-        return next(flat)
-    items = [_unflatten(item, flat) for item in spec.items]
-    if spec.kind == "tuple":
-        return tuple(items)
-    if spec.kind == "list":
-        return items
-    return dict(zip(spec.keys, items))

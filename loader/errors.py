@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 
 def first_line(e: BaseException, limit: int | None = None) -> str:
     """The first line of an exception's message (its type's name when it has none), for one-line
@@ -44,3 +47,21 @@ class GuardError(LoaderError, ValueError):
 class InsecurePathError(LoaderError):
     """A cache or state folder, or a file in one, that another user owns or that group or others can
     write: what it holds could have been planted, so it is refused (the message says how to fix it)."""
+
+
+def first_line(e: BaseException, *, limit: int | None = None) -> str:
+    """The first line of ``e``'s message (its type's name when it has none), cut at ``limit``
+    characters: what a one-line error says about a cause whose own text may be a whole page
+    (a compiler's log, a worker's traceback). Loader and build side share this one."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if limit is None else line[:limit]
+
+
+def import_extra(module: str, needed_for: str) -> ModuleType:
+    """Import ``module`` of the ``packs`` extra (zstandard, cryptography), which the runtime alone
+    leaves out, or raise a LoaderError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise LoaderError(f"{needed_for} needs {module}, which is not installed: pip install 'precompile[packs]'") from None

@@ -301,7 +301,7 @@ class Live:
                 else:
                     resolved = resolve_pointer(requested)
                 start = time.perf_counter()
-                model = load(resolved, **self.load_options)
+                model = load(resolved, warmup=False, **self.load_options)  # warmed below: a SwapError if it fails
                 version = model.manifest.version
                 digest = model.digest
                 self._refuse_mismatch(model, rollback_ok=self.allow_rollback if allow_rollback is None else allow_rollback)
@@ -373,8 +373,8 @@ class Live:
             raise SwapError(f"{where}: its output structure differs from the serving version's; callers would break")
         if new_m.version < old_m.version and not rollback_ok:
             raise SwapError(
-                f"{where}: version {new_m.version} is older than the serving version {old_m.version} "
-                "(a rollback: allow it explicitly)"
+                f"{where}: version {new_m.version} is older than the serving version {old_m.version} (a rollback); "
+                "to allow it, serve with --allow-rollback (Live(..., allow_rollback=True) or swap(..., allow_rollback=True))"
             )
 
     # --- watching ------------------------------------------------------------------------------

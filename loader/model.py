@@ -110,6 +110,8 @@ def load(
     copy_inputs: bool = False,
     threads: int | None = None,
     precision: str = "auto",
+    max_bytes: int | None = None,
+    warmup: bool = True,
 ) -> CompiledModel:
     """Load an artifact built by ``precompile build``, from its folder or a pack (``precompile pack``),
     and return a callable model.
@@ -132,6 +134,13 @@ def load(
       this CPU has the features they need, fp32 elsewhere; ``"fp32"`` only fp32; ``"bf16"``/``"int8"``
       that precision first (IncompatibleArtifactError when the artifact or this CPU has none). The
       model's ``precision`` says what it serves; ``stats()`` and the variant ids (``int8-v0``) too.
+    - ``max_bytes`` (a URL): refuse to download an object larger than this (the size the store's
+      ``index.json`` records bounds it too).
+    - ``warmup`` runs every variant once on its hint shape before returning (``model.warmup()``), so
+      the first real call meets warm code; ``warmup=False`` returns at once. It runs in the calling
+      thread: OpenMP keeps one thread team per calling thread, so a thread that calls for the first
+      time still starts its own (call ``model.warmup()`` once in each, for a pool of callers). A new
+      shape on a dynamic variant is still slower the first time.
 
     Raises ArtifactError for a missing, unreadable or corrupt artifact, IncompatibleArtifactError when
     it was built for another host, and UntrustedArtifactError when it fails the trust policy; all of
@@ -153,6 +162,7 @@ def load(
         refuse_rollback=refuse_rollback,
         cache_dir=cache_dir,
         state_dir=state_dir,
+        max_bytes=max_bytes,
     )
     with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
         root, manifest, device = opened.root, opened.manifest, opened.device
@@ -172,6 +182,11 @@ def load(
             digest=opened.digest,
             precision=choice,
         )
+        if warmup:
+            try:
+                model.warmup()
+            except RuntimeError as e:
+                raise ArtifactError(f"{root}: the warm-up call failed: {first_line(e)}") from e
         opened.loaded()
     return model
 

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, Callable
 
 from . import constants as C
 from .artifact import manifest_digest, read_manifest, read_signature
-from .errors import ArtifactError
+from .errors import ArtifactError, import_extra
 from .manifest import MAX_INT, Manifest, check_member_path, parse_manifest
 
 CHUNK = 1 << 20
@@ -151,7 +151,7 @@ def write_pack(root: str | os.PathLike, out: BinaryIO, *, level: int = 3, thread
     and the files the manifest lists are packed. Each file's size and sha256 are checked against the
     manifest as it is read, so a corrupt artifact is never packed (ArtifactError).
     """
-    import zstandard
+    zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
     root = Path(root)
     manifest = read_manifest(root)
@@ -205,7 +205,7 @@ def replace_head(path: str | os.PathLike, out: BinaryIO, signature: bytes | None
     Returns False (writing nothing) when the pack's first frame is not exactly its head, as in a
     pack another tool recompressed; the caller then unpacks and packs again.
     """
-    import zstandard
+    zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
     path = Path(path)
     head = read_head(path)
@@ -343,7 +343,7 @@ def walk_frames(f: BinaryIO, path: Path) -> list[Frame]:
     Refuses a file that is not whole frames back to back (truncated, or with bytes appended), a frame
     that does not declare its content size or carry a checksum, and skippable frames.
     """
-    import zstandard
+    zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
     end = os.fstat(f.fileno()).st_size
     frames: list[Frame] = []
@@ -394,7 +394,7 @@ class _TarReader:
     """Strict ustar members from a pack's decompressed stream, read against a byte budget."""
 
     def __init__(self, path: Path, f: BinaryIO, frames: list[Frame] | None):
-        import zstandard
+        zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
         self.path = path
         self._zstd_error = zstandard.ZstdError
@@ -558,7 +558,7 @@ class _TarReader:
 def open_decompressed(f: BinaryIO) -> Any:
     """The decompressed stream of every frame in ``f``, read on demand: ``read(n)`` never makes more
     than ``n`` bytes, whatever the frame headers claim. (One function, so tests can watch it.)"""
-    import zstandard
+    zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
     return dctx.stream_reader(f, read_size=1 << 17, read_across_frames=True, closefd=False)

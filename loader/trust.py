@@ -44,7 +44,7 @@ from typing import Any, Iterable, Union
 
 from . import constants as C
 from .artifact import canonical_manifest, manifest_digest
-from .errors import ArtifactError, LoaderError
+from .errors import ArtifactError, LoaderError, import_extra
 from .fs import FileLock, check_private, write_atomic
 from .manifest import Manifest
 
@@ -77,6 +77,7 @@ def key_id(raw: bytes) -> str:
 def public_key(item: KeySource, where: str = "trusted key") -> PublicKey:
     """Read an Ed25519 public key: a path to a ``.pub`` file (PEM or OpenSSH), PEM or OpenSSH text,
     or a ``cryptography`` Ed25519PublicKey."""
+    import_extra("cryptography", "an Ed25519 key")
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -182,6 +183,7 @@ def parse_signature(data: bytes, source: str) -> Signature:
 def check_signature(manifest_bytes: bytes, signature: bytes | None, keys: list[PublicKey], source: str) -> PublicKey:
     """Return the trusted key that signed the manifest ``manifest_bytes`` (already accepted by
     ``parse_manifest``); UntrustedArtifactError otherwise."""
+    import_extra("cryptography", "checking a signature")
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 

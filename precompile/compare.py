@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from loader.outputs import flatten
+
 from .errors import CheckError
 from .profile import AccuracyRule, Profile
-from .runners import flatten
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,6 @@ Runner = Callable[..., list[torch.Tensor]]  # inputs in forward() order -> flat 
 Timer = Callable[..., list[float]]  # time_calls: callables -> the median ms of each
 
 
-def flatten(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in flatten(v)]
-    return [t for v in value for t in flatten(v)]
-
-
 def run_eager(
     model: torch.nn.Module, args: tuple, *, profile: Profile | None = None, sizes: dict[str, int] | None = None
 ) -> Any:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import loader
-from loader.batch import BatchPlan, batch_plan, padded_size
+from loader.batch_plan import BatchPlan, batch_plan, padded_size
 
 WAIT = 30.0  # seconds any result may take
 

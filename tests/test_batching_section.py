@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader.batch import BatchPlan, aim, batch_plan
+from loader.batch_plan import BatchPlan, aim, batch_plan
 from loader.errors import ArtifactError
 from loader.manifest import parse_manifest
 from precompile.cli import main

@@ -68,6 +68,20 @@ def test_calls_land_on_the_expected_variant(model, eager, batch, seq, variant):
     torch.testing.assert_close(pooled, want_pooled.detach())
 
 
+def test_select_answers_with_the_policys_plan_for_a_call_it_serves(model):
+    ids, mask = inputs(19, 12, seed=1)
+    plan = model.select(ids, mask)
+    assert plan.id == model.call_detailed(ids, mask)[1] == "dynamic-0"
+    assert plan.policies == (("batch", "split"),)
+    assert [(sizes, v.id) for sizes, v in plan.pieces] == [({"batch": b, "seq": 12}, "dynamic-0") for b in (7, 6, 6)]
+    ids, mask = inputs(2, 3)
+    plan = model.select(ids, mask)
+    assert plan.policies == (("seq", "pad"),) and [s for s, _ in plan.pieces] == [{"batch": 2, "seq": 4}]
+    assert plan.id == model.call_detailed(ids, mask)[1]
+    with pytest.raises(GuardError, match="its policy is pad, which only serves sizes below 4"):
+        model.select(*inputs(1, 33))  # what the call itself raises
+
+
 def test_split_policy_cuts_batch_and_concatenates(model, eager):
     ids, mask = inputs(19, 12, seed=1)
     (tokens, pooled), used = model.call_detailed(ids, mask)

@@ -78,8 +78,9 @@ def test_a_missing_path_leaves_the_old_one_serving(classifier_versions, tmp_path
 
 def test_rollback_is_refused_unless_allowed(classifier_versions):
     live = Live(classifier_versions[2])
-    with pytest.raises(SwapError, match="version 1 is older than the serving version 3"):
+    with pytest.raises(SwapError, match="version 1 is older than the serving version 3") as refused:
         live.swap(classifier_versions[0])
+    assert "serve with --allow-rollback (Live(..., allow_rollback=True) or swap(..., allow_rollback=True))" in str(refused.value)
     assert live.serving.version == 3
     assert live.swap(classifier_versions[0], allow_rollback=True).version == 1
 

@@ -158,3 +158,29 @@ def test_loader_imports_nothing_heavy_and_never_compiles(classifier_artifact):
     assert report["imported"] == []
     # A compile would cost seconds; the first call is allowed a few steady-state calls' worth of warm-up.
     assert report["first"] < 10 * report["steady"] + 0.05, report
+
+
+def test_load_warms_every_variant_unless_told_not_to(tagger_build, monkeypatch):
+    """warmup() runs (for real) inside load() by default, once, in the calling thread."""
+    import threading
+
+    real = loader.CompiledModel.warmup
+    runs = []
+
+    def watched(self):
+        runs.append(threading.get_ident())
+        variants_run = []
+        original = self.run_variant
+        self.run_variant = lambda vid, *a: (variants_run.append(vid), original(vid, *a))[1]
+        try:
+            real(self)
+        finally:
+            del self.run_variant
+        runs.append(tuple(variants_run))
+
+    monkeypatch.setattr(loader.CompiledModel, "warmup", watched)
+    model = loader.load(tagger_build.path)
+    assert runs == [threading.get_ident(), tuple(v.id for v in model.variants)]
+    assert model.stats()["calls"] == 0  # warm-up calls are not traffic
+    loader.load(tagger_build.path, warmup=False)
+    assert len(runs) == 2

@@ -145,7 +145,7 @@ def test_build_keeps_each_precision_with_its_gate_record(lowp):
 
 def test_a_variant_failing_the_gate_is_dropped_with_its_reason(strict_gate):
     assert [v.id for v in strict_gate.manifest.variants] == ["dynamic"]
-    (record,) = strict_gate.manifest.check["precision"]
+    (record,) = strict_gate.manifest.check.precision
     assert record["variant"] == "bf16-dynamic" and not record["kept"]
     assert "output 0: max_abs" in record["reason"] and "(accuracy gate)" in record["reason"]
     assert not (strict_gate.path / "variants" / "bf16-dynamic.pt2").exists()

@@ -506,8 +506,7 @@ def test_serve_without_the_extra_says_how_to_install_it(classifier_artifact, mon
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # what an install without the extra looks like
     result = invoke("serve", str(classifier_artifact))
     assert result.exit_code == 1
-    assert "precompile serve needs uvicorn" in result.output
-    assert "pip install 'precompile[serve]'" in result.output
+    assert "precompile serve needs the serve extra (uvicorn not installed): pip install 'precompile[serve]'" in result.output
 
 
 def test_serve_refuses_a_missing_artifact_before_starting(tmp_path):

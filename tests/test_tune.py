@@ -39,7 +39,7 @@ def tuned(tmp_path_factory):
 
 
 def test_every_candidate_is_timed_and_the_fastest_that_matches_is_kept(tuned):
-    trials = tuned.manifest.check["tuning"]
+    trials = tuned.manifest.check.tuning
     assert [(t["variant"], t["candidate"]) for t in trials] == [("dynamic", 0), ("dynamic", 1)]
     assert [t["options"] for t in trials] == [{}, {"freezing": True}]
     assert all(t["ms"] > 0 and t["max_abs_error"] < 1e-4 and t["compile_s"] > 0 for t in trials)
@@ -53,7 +53,7 @@ def test_the_tuned_artifact_serves_the_winner_and_matches_eager(tuned):
     eager = resolve_model(load_profile(tuned.path.parent / "profile.yaml"))
     ids, mask = torch.randint(0, 50, (3, 20)), torch.ones(3, 20, dtype=torch.bool)
     (variant,) = model.variants
-    kept = [t for t in tuned.manifest.check["tuning"] if t["kept"]][0]
+    kept = [t for t in tuned.manifest.check.tuning if t["kept"]][0]
     assert variant.embedded_constants == kept["options"].get("freezing", False)
     with torch.no_grad():
         torch.testing.assert_close(model(ids, mask), eager(ids, mask), atol=1e-5, rtol=1e-5)

@@ -91,6 +91,8 @@ def load_native(
     state_dir: str | os.PathLike | None = None,
     threads: int | None = None,
     precision: str = "auto",
+    max_bytes: int | None = None,
+    warmup: bool = True,
 ) -> NativeModel:
     """Load an artifact's CPU variants without importing torch; call the result with numpy arrays.
 
@@ -120,6 +122,7 @@ def load_native(
             refuse_rollback=refuse_rollback,
             cache_dir=cache_dir,
             state_dir=state_dir,
+            max_bytes=max_bytes,
             host=host_facts(torch),
         )
     except IncompatibleArtifactError as e:
@@ -133,6 +136,8 @@ def load_native(
         shim = start_runtime(torch, threads)
         runners = _open_runners(shim, root, manifest, served, weights)
         model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice)
+        if warmup:
+            model.warmup()
         opened.loaded()
     return model
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from loader.cuda import derived_kernels
+from loader.outputs import output_names
 
 from . import main, user_errors
 
@@ -15,7 +16,7 @@ from . import main, user_errors
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @user_errors
 def inspect(artifact: Path, as_json: bool) -> None:
-    """Show what an artifact (folder or pack) holds: target, torch, inputs and dim ranges, variants, files."""
+    """Show what an artifact (folder or pack) holds: target, torch, inputs, outputs, dim ranges, variants, files."""
     from loader.artifact import read_manifest
     from loader.pack import read_head
 
@@ -36,6 +37,11 @@ def describe(manifest) -> str:
     ]
     for spec in manifest.inputs:
         lines.append(f"  {spec.name:<12} {spec.dtype:<9} [{', '.join(str(s) for s in spec.shape)}]")
+    lines.append(f"outputs   ({manifest.output.kind})")
+    for i, name in enumerate(output_names(manifest.output)):
+        axes = manifest.output_dims[i] if manifest.output_dims is not None else None
+        shape = "[" + ", ".join(d or "·" for d in axes) + "]" if axes is not None else "(axes not recorded)"
+        lines.append(f"  {name:<12} {shape}")
     lines.append("dims")
     for d, r in manifest.dims.items():
         lines.append(f"  {d:<12} {r}")
@@ -61,15 +67,15 @@ def describe(manifest) -> str:
     for path, entry in manifest.files.items():
         lines.append(f"  {path:<32} {_size(entry.size):>10}  sha256:{entry.sha256[:12]}")
     if manifest.check:
-        lines.append(f"check     {manifest.check.get('shapes')} shapes, max abs error {manifest.check.get('max_abs_error', 0):.2e}")
-    tuning = manifest.check.get("tuning") if manifest.check else None
+        lines.append(f"check     {manifest.check.shapes} shapes, max abs error {manifest.check.max_abs_error:.2e}")
+    tuning = manifest.check.tuning
     if tuning:
         lines.append("tuning    each variant's candidates, ms on its traffic (* kept)")
         for t in tuning:
             options = ",".join(f"{k}={v}" for k, v in t.get("options", {}).items()) or "defaults"
             result = f"{t['ms']:.3f} ms" if "ms" in t else f"failed: {str(t.get('error', ''))[:80]}"
             lines.append(f"  {'*' if t.get('kept') else ' '} {t.get('variant', '?'):<16} {options:<40} {result}")
-    gates = [g for g in (manifest.check.get("precision") or []) if isinstance(g, dict)] if manifest.check else []
+    gates = manifest.check.precision
     dropped = [g for g in gates if not g.get("kept")]
     if dropped:
         lines.append("precision variants the gate dropped")

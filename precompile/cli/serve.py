@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-import importlib
+import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -10,8 +10,6 @@ from . import main, user_errors
 
 if TYPE_CHECKING:
     from loader.manifest import Manifest
-
-SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 @main.command()
@@ -70,12 +68,6 @@ def serve(
     model is loaded and warmed up in the background; /readyz answers 200 once it is. The trust options
     apply to every version served. Needs the serve extra: pip install 'precompile[serve]'.
     """
-    missing = [name for name in SERVE_PACKAGES if _missing(name)]
-    if missing:
-        raise click.ClickException(
-            f"precompile serve needs {', '.join(missing)}, which the core install leaves out: "
-            "pip install 'precompile[serve]'"
-        )
     _check_combinations(
         workers=workers,
         allow_reload=allow_reload,
@@ -114,6 +106,9 @@ def serve(
         max_queue=max_queue,
         precision=precision,
     )
+    # uvicorn drains on SIGTERM, then raises it again against the handler it found: with this one, a
+    # drain that a stop asked for (docker stop, a pod's termination) ends with status 0, not 143.
+    signal.signal(signal.SIGTERM, _stopped)
     run(config, host=host, port=port, workers=workers, log_level=log_level)
 
 
@@ -151,18 +146,14 @@ def _check_combinations(
         raise click.UsageError("--max-batch, --max-delay-ms and --max-queue apply with --batch only")
 
 
+def _stopped(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def _given(name: str) -> bool:
     """Whether the user gave option ``name`` (not its default)."""
     source = click.get_current_context().get_parameter_source(name)
     return source is not None and source is not click.core.ParameterSource.DEFAULT
-
-
-def _missing(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return True
-    return False
 
 
 def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]) -> Manifest:

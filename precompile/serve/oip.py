@@ -34,7 +34,8 @@ from starlette.concurrency import run_in_threadpool
 
 from loader.guards import TORCH_DTYPES
 from loader.live import Serving
-from loader.manifest import Manifest, OutputSpec
+from loader.manifest import Manifest
+from loader.outputs import flatten, output_names
 
 from .. import __version__
 from .codec import MAX_RANK, check_finite, dumps, json_kind, parse_json, to_tensor
@@ -157,7 +158,7 @@ def _output_metadata(serving: Serving) -> list[dict[str, Any]]:
     model = serving.model
     m = model.manifest
     variant = model.variants[0]
-    sample = flatten_outputs(m.output, model.run_variant(variant.id, *model.example_inputs(variant)))
+    sample = flatten(model.run_variant(variant.id, *model.example_inputs(variant)))
     described = []
     for i, (name, t) in enumerate(zip(output_names(m.output), sample)):
         axes = m.output_dims[i] if m.output_dims is not None else (None,) * t.dim()
@@ -166,32 +167,6 @@ def _output_metadata(serving: Serving) -> list[dict[str, Any]]:
             shape[0] = -1  # unknown without the profile's outputs; axis 0 commonly follows the batch
         described.append({"name": name, "datatype": _TORCH_TO_DATATYPE[t.dtype], "shape": shape})
     return described
-
-
-def output_names(spec: OutputSpec) -> list[str]:
-    """Flat output names, in the order of the flattened outputs (see the module docstring)."""
-    if spec.kind == "tensor":
-        return ["output"]
-    names: list[str] = []
-
-    def walk(s: OutputSpec, path: list[str]) -> None:
-        if s.kind == "tensor":
-            names.append(".".join(path))
-            return
-        keys = list(s.keys) if s.kind == "dict" else [str(i) for i in range(len(s.items))]
-        for key, item in zip(keys, s.items):
-            walk(item, path + [key])
-
-    walk(spec, [] if spec.kind == "dict" else ["output"])
-    return names
-
-
-def flatten_outputs(spec: OutputSpec, value: Any) -> list[torch.Tensor]:
-    """The output tensors in the manifest's flat order (dict items in the order of its keys)."""
-    if spec.kind == "tensor":
-        return [value]
-    items = [value[k] for k in spec.keys] if spec.kind == "dict" else list(value)
-    return [t for s, v in zip(spec.items, items) for t in flatten_outputs(s, v)]
 
 
 # --- infer -----------------------------------------------------------------------------------
@@ -318,7 +293,7 @@ def _wanted_outputs(request: dict[str, Any], binary_all: bool) -> dict[str, bool
 def infer_response(serving: Serving, outputs: Any, request: InferRequest) -> Response:
     """The infer response: JSON, or a JSON header followed by the binary outputs."""
     spec = serving.model.manifest.output
-    named = dict(zip(output_names(spec), flatten_outputs(spec, outputs)))
+    named = dict(zip(output_names(spec), flatten(outputs)))
     wanted = request.wanted if request.wanted is not None else {n: request.binary_all for n in named}
     unknown = [n for n in wanted if n not in named]
     if unknown:

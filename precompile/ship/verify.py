@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,8 @@ from loader.artifact import manifest_digest, read_manifest_with_bytes, read_sign
 from loader.cuda import parse_device
 from loader.errors import IncompatibleArtifactError, LoaderError
 from loader.host import compatibility_problems, host_facts
-from loader.manifest import Manifest
+from loader.manifest import Manifest, Reference
+from loader.outputs import flatten
 from loader.pack import read_head, verify_pack
 from loader.trust import check_expiry, check_signature, parse_signature, public_keys
 from loader.weights import MappedWeights
@@ -27,7 +28,6 @@ from loader.weights import MappedWeights
 from ..compare import agreement, compare_tensors, passes
 from ..errors import PrecompileError
 from ..profile import AccuracyRule
-from ..runners import flatten
 
 
 @dataclass(frozen=True)
@@ -104,18 +104,7 @@ def verify(
         checks.append(Check("expiry", "FAIL", str(e)))
 
     device = device or manifest.target.device
-    try:
-        problems = compatibility_problems(manifest, device)
-    except LoaderError as e:  # a device string that names no device
-        problems = [str(e)]
-    if problems:
-        checks.append(Check("host", "FAIL", "; ".join(problems)))
-    else:
-        host = host_facts()
-        code = manifest.target.aoti_cpu_isa or manifest.target.cpu_capability if device == "cpu" else "CUDA"
-        checks.append(
-            Check("host", "ok", f"{device}: {code} code on {host.platform}/{host.machine}, torch {host.torch_version}")
-        )
+    checks.append(_host_check(manifest, device))
 
     if not run:
         checks.append(Check("run", "skip", "not asked for (--run recomputes the reference outputs here)"))
@@ -124,6 +113,19 @@ def verify(
     else:
         checks.append(_run_check(path, manifest, device, cache_dir))
     return checks
+
+
+def _host_check(manifest: Manifest, device: str) -> Check:
+    """Whether this host can run the artifact's code on ``device``."""
+    try:
+        problems = compatibility_problems(manifest, device)
+    except LoaderError as e:  # a device string that names no device
+        problems = [str(e)]
+    if problems:
+        return Check("host", "FAIL", "; ".join(problems))
+    host = host_facts()
+    code = manifest.target.aoti_cpu_isa or manifest.target.cpu_capability if device == "cpu" else "CUDA"
+    return Check("host", "ok", f"{device}: {code} code on {host.platform}/{host.machine}, torch {host.torch_version}")
 
 
 def _signature_check(manifest_bytes: bytes, signature: bytes | None, keys: list[Any], source: str) -> Check:
@@ -159,9 +161,7 @@ def _run_check(path: Path, manifest: Manifest, device: str, cache_dir: str | os.
             skipped.append(f"{precision} not run on this host ({e})")
         except LoaderError as e:
             return Check("run", "FAIL", f"cannot load the {precision} variants: {e}")
-    entries = manifest.check.get("references") if isinstance(manifest.check, dict) else None
-    if isinstance(entries, list):  # references for this device's variants only
-        entries = [e for e in entries if not isinstance(e, dict) or e.get("device", "cpu") == kind]
+    entries = [e for e in manifest.check.references if e.device == kind]  # this device's variants only
     if C.REFERENCES_FILE not in manifest.files or not entries:
         try:
             model.warmup()
@@ -178,7 +178,7 @@ def _run_check(path: Path, manifest: Manifest, device: str, cache_dir: str | os.
     try:
         for m in models:
             ids = {v.id for v in m.variants if v.precision == m.precision.order[0]}
-            mine = [e for e in entries if not isinstance(e, dict) or e.get("variant") in ids]
+            mine = [e for e in entries if e.variant in ids]
             worst = max(worst, compare_references(m, mine))
             checked += len(mine)
     except ReferenceMismatch as e:
@@ -194,27 +194,29 @@ class ReferenceMismatch(PrecompileError):
     """The artifact's compiled code does not reproduce its stored reference outputs on this host."""
 
 
-def compare_references(model: loader.CompiledModel, entries: Any) -> float:
+def compare_references(model: loader.CompiledModel, entries: Sequence[Reference]) -> float:
     """Run each reference entry's inputs on its variant and compare with the stored outputs, within the
     entry's per-output (atol, rtol). Returns the largest absolute error; ReferenceMismatch otherwise."""
     refs = MappedWeights(str(model.path / C.REFERENCES_FILE))
-    if not isinstance(entries, list):
-        raise ReferenceMismatch(f"check.references: expected a list, got {type(entries).__name__}")
     worst = 0.0
     for i, entry in enumerate(entries):
         where = f"check.references[{i}]"
+        variant, tolerances = entry.variant, entry.tolerance
         try:
-            variant, ins, outs, tolerance = entry["variant"], entry["inputs"], entry["outputs"], entry["tolerance"]
-            inputs = [refs.tensors[name].to(model.device) for name in ins]
-            wanted = [refs.tensors[name] for name in outs]
-            tolerances = [(float(a), float(r)) for a, r in tolerance]
+            inputs = [refs.tensors[name].to(model.device) for name in entry.inputs]
+            wanted = [refs.tensors[name] for name in entry.outputs]
             rules = (
-                [AccuracyRule(**rule) if rule["metric"] != "equal" else None for rule in entry["accuracy"]]
-                if "accuracy" in entry
+                [
+                    AccuracyRule(metric=a.metric, threshold=a.threshold) if a.metric != "equal" else None
+                    for a in entry.accuracy
+                ]
+                if entry.accuracy is not None
                 else None
             )
-        except (KeyError, TypeError, ValueError, ValidationError) as e:
-            raise ReferenceMismatch(f"{where}: malformed entry or missing tensor ({type(e).__name__}: {e})") from None
+        except (KeyError, ValidationError) as e:
+            raise ReferenceMismatch(
+                f"{where}: missing tensor or unknown accuracy rule ({type(e).__name__}: {e})"
+            ) from None
         try:
             got = flatten(model.run_variant(variant, *inputs))
         except Exception as e:  # a guard refusing the stored inputs, or the compiled code failing

@@ -22,7 +22,7 @@ import torch
 
 from loader import constants as C
 from loader.host import cpu_capability, cpu_features
-from loader.manifest import ConstantSpec, DimRange, Manifest, Target, Variant, parse_manifest
+from loader.manifest import CheckRecord, ConstantSpec, DimRange, Manifest, Target, Variant, parse_manifest
 
 from .. import __version__
 from ..analysis.value_ranges import manifest_inputs
@@ -144,7 +144,12 @@ def finish_manifest(
     """The manifest with the files as they now are, the ``check`` section, the release and the
     batching section; parsed by the loader, then written into ``staging``."""
     manifest = replace(
-        manifest, files=file_entries(staging), check=check, version=version, expires=expires, batching=ctx.batching
+        manifest,
+        files=file_entries(staging),
+        check=CheckRecord.from_dict(check),
+        version=version,
+        expires=expires,
+        batching=ctx.batching,
     )
     parse_manifest(manifest.to_json())  # the loader must accept what we write
     write_manifest(staging, manifest.to_json())

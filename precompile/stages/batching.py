@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from loader.batch import grow
+from loader.batch_tensors import grow
 from loader.manifest import Batching
+from loader.outputs import flatten
 
 from ..compare import compare_tensors
 from ..errors import ProfileError
 from ..profile import BatchingSpec, LoadedProfile, Profile, batching_pad_values
-from ..runners import flatten, run_eager
+from ..runners import run_eager
 from ..samples import make_inputs
 
 CALLS_PER_BATCH = 3  # at most; fewer when the batch dim's range cannot hold them
@@ -48,7 +49,9 @@ def check_batching(loaded: LoadedProfile, model: torch.nn.Module) -> Batching | 
     if spec is None:
         return None
     pad_values = batching_pad_values(profile)
-    output_axes = [[s if isinstance(s, str) and s in profile.dims else None for s in o.shape] for o in profile.outputs or []]
+    output_axes = [
+        [s if isinstance(s, str) and s in profile.dims else None for s in o.shape] for o in profile.outputs or []
+    ]
     batches = samples(profile, spec)
     worst, checked = 0.0, 0
     for n, sample in enumerate(batches):
@@ -116,7 +119,9 @@ def batch_inputs(
     return tuple(out)
 
 
-def cut_back(spec: BatchingSpec, outputs: list[torch.Tensor], output_axes: list, sizes: list[dict[str, int]], k: int) -> list[torch.Tensor]:
+def cut_back(
+    spec: BatchingSpec, outputs: list[torch.Tensor], output_axes: list, sizes: list[dict[str, int]], k: int
+) -> list[torch.Tensor]:
     """Call ``k``'s part of the batch's flat ``outputs``: its rows along each output's batch axis,
     and every axis following a padded dim narrowed to the call's own size."""
     start = sum(s[spec.dim] for s in sizes[:k])
@@ -151,9 +156,14 @@ def _compare_call(
         if tuple(w.shape) != tuple(g.shape):
             raise ProfileError(
                 str(loaded.path),
-                [(sample.what, f"{_how(sample, sizes, pad_values)} gives output {i} the shape {tuple(g.shape)} once cut back, "
-                  f"its own call {tuple(w.shape)}: outputs[{i}].shape ({declared}) must name every axis that follows "
-                  f"{' or '.join(repr(d) for d in (spec.dim, *spec.pad))}")],
+                [
+                    (
+                        sample.what,
+                        f"{_how(sample, sizes, pad_values)} gives output {i} the shape {tuple(g.shape)} once cut back, "
+                        f"its own call {tuple(w.shape)}: outputs[{i}].shape ({declared}) must name every axis that follows "
+                        f"{' or '.join(repr(d) for d in (spec.dim, *spec.pad))}",
+                    )
+                ],
             )
         atol, rtol = profile.tolerance(str(w.dtype).removeprefix("torch."))
         c = compare_tensors(w, g, atol=atol, rtol=rtol)
@@ -173,7 +183,14 @@ def _how(sample: Sample, sizes: dict[str, int], pad_values: dict[str, float]) ->
 
 
 def _refusal(
-    spec: BatchingSpec, sample: Sample, sizes: dict[str, int], i: int, declared, error: float, tolerance: tuple, pad_values
+    spec: BatchingSpec,
+    sample: Sample,
+    sizes: dict[str, int],
+    i: int,
+    declared,
+    error: float,
+    tolerance: tuple,
+    pad_values,
 ) -> str:
     atol, rtol = tolerance
     head = (

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from loader.errors import first_line
+from loader.outputs import flatten
 
 from ..calibration import Sample, fallback_inputs, inside
 from ..compare import agreement, passes, worst
 from ..profile import Profile
-from ..runners import Runner, Timer, flatten, open_candidate, run_eager, time_calls
+from ..runners import Runner, Timer, open_candidate, run_eager, time_calls
 from ..samples import make_inputs
 from ..traffic import Shape, serving_shapes
 from ..units import CompiledPackage, CompiledUnit

@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from loader import constants as C
+from loader.outputs import flatten
 
 from ..profile import LoadedProfile
-from ..runners import flatten, run_eager
+from ..runners import run_eager
 from ..samples import make_inputs
 from ..units import VariantPlan
 

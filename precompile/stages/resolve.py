@@ -21,12 +21,13 @@ import torch
 
 from loader.constants import INTEGER_DTYPES
 from loader.manifest import OutputSpec
+from loader.outputs import flatten
 
 from ..analysis.value_ranges import check_declared_ranges, index_tables
 from ..context import OutputDims
 from ..errors import DimBoundError, ExportError, ModelError, ProfileError
 from ..profile import LoadedProfile
-from ..runners import flatten, run_eager
+from ..runners import run_eager
 from ..samples import make_inputs
 from ..tracing import export_model
 
