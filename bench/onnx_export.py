@@ -62,13 +62,23 @@ def export_onnx(model: torch.nn.Module, profile: Profile, path: Path) -> dict[st
         with warnings.catch_warnings(), quiet("torch.onnx", "onnxscript"), torch.no_grad():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                model, args, dynamo=True, dynamic_shapes=dynamic_shapes(profile), input_names=list(profile.inputs), verbose=False
+                model,
+                args,
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes(profile),
+                input_names=list(profile.inputs),
+                verbose=False,
             )
             program.save(str(path))
     except Exception as e:  # torch.export and the ONNX translation raise many types: each one is a failed peer
         path.with_suffix(".log").write_text(traceback.format_exc(), encoding="utf-8")
         return {"failed": failure(e), "seconds": time.perf_counter() - start}
-    return {"path": str(path), "seconds": time.perf_counter() - start, "bytes": path.stat().st_size, "example_sizes": hint}
+    return {
+        "path": str(path),
+        "seconds": time.perf_counter() - start,
+        "bytes": path.stat().st_size,
+        "example_sizes": hint,
+    }
 
 
 def failure(e: BaseException) -> str:

@@ -6,14 +6,6 @@ import importlib
 from types import ModuleType
 
 
-def first_line(e: BaseException, limit: int | None = None) -> str:
-    """The first line of an exception's message (its type's name when it has none), for one-line
-    errors that wrap another library's; at most ``limit`` characters."""
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    return line[:limit] if limit is not None else line
-
-
 class LoaderError(Exception):
     """Base of every error the loader raises on purpose."""
 
@@ -64,4 +56,6 @@ def import_extra(module: str, needed_for: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise LoaderError(f"{needed_for} needs {module}, which is not installed: pip install 'precompile[packs]'") from None
+        raise LoaderError(
+            f"{needed_for} needs {module}, which is not installed: pip install 'precompile[packs]'"
+        ) from None

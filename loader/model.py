@@ -9,18 +9,19 @@ cache entry) are handed over as views, shared by all variants.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from .aoti import load_constants, open_package
+from .cuda import CudaRunner, GraphedRunner, parse_device
 from .dispatch import ServedModel
 from .errors import ArtifactError, IncompatibleArtifactError, first_line
 from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts
 from .manifest import Manifest
-from .cuda import CudaRunner, GraphedRunner, parse_device
 from .policy import ArrayOps
 from .precision import REQUESTS, Choice, choose
 from .source import open_artifact
@@ -94,7 +95,9 @@ class CompiledModel(ServedModel):
         return torch.full(shape, value, dtype=TORCH_DTYPES[dtype], device=self.device)
 
     def __repr__(self) -> str:
-        return f"<CompiledModel {self.name!r} from {str(self.path)!r}: {len(self._runners)} variant(s) on {self.device}>"
+        return (
+            f"<CompiledModel {self.name!r} from {str(self.path)!r}: {len(self._runners)} variant(s) on {self.device}>"
+        )
 
 
 def load(

@@ -14,8 +14,9 @@ caller, so the torch loader and the torch-free one (numpy arrays) serve a policy
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .errors import GuardError
 from .manifest import DimRange, Manifest, Variant

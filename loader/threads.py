@@ -52,7 +52,9 @@ class CpuAllowance:
         return ", ".join(parts)
 
 
-def cpu_allowance(cgroup_root: str | os.PathLike = "/sys/fs/cgroup", proc_cgroup: str | os.PathLike = "/proc/self/cgroup") -> CpuAllowance:
+def cpu_allowance(
+    cgroup_root: str | os.PathLike = "/sys/fs/cgroup", proc_cgroup: str | os.PathLike = "/proc/self/cgroup"
+) -> CpuAllowance:
     """This process's CPUs: affinity and the tightest cgroup CPU quota on its path (v2 or v1)."""
     host = os.cpu_count() or 1
     try:
@@ -203,7 +205,9 @@ def physical_cores(cpus: str | os.PathLike = "/sys/devices/system/cpu") -> int:
     return len(cores) or os.cpu_count() or 1
 
 
-def openmp_env(threads: int | None = None, *, workers: int = 1, environ: dict[str, str] | None = None) -> dict[str, str]:
+def openmp_env(
+    threads: int | None = None, *, workers: int = 1, environ: dict[str, str] | None = None
+) -> dict[str, str]:
     """The OpenMP settings to add before the runtime starts: ``OMP_WAIT_POLICY=PASSIVE`` (idle threads
     sleep instead of spinning) unless the user set a policy, and ``OMP_NUM_THREADS`` = ``threads``
     when given, else (unless the user set it) each of ``workers``' share of the CPUs this process gets."""

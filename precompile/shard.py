@@ -62,7 +62,7 @@ class PartResult:
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """"K/N" (1 ≤ K ≤ N) as (K, N)."""
+    """ "K/N" (1 ≤ K ≤ N) as (K, N)."""
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
     if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
         raise PrecompileError(f"--shard {text!r}: expected K/N with 1 ≤ K ≤ N, e.g. 2/4")
@@ -126,7 +126,11 @@ def build_part(
     try:
         (staging / C.VARIANTS_DIR).mkdir()
         (staging / CONSTANTS_DIR).mkdir()
-        units = compile_units(ctx, mine, staging, jobs=jobs, progress=progress, executor=executor) if mine else CompiledUnits()
+        units = (
+            compile_units(ctx, mine, staging, jobs=jobs, progress=progress, executor=executor)
+            if mine
+            else CompiledUnits()
+        )
         record = _part_record(ctx, shard, tasks, mine, units, staging)
         (staging / PART_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         publish(staging, target)
@@ -134,19 +138,29 @@ def build_part(
         shutil.rmtree(staging, ignore_errors=True)
     seconds = time.perf_counter() - start
     built = [b["file"] for b in record["built"]]
-    progress.note(f"{target}: part {k}/{n}, {len(built)} unit(s) compiled in {seconds:.1f} s; assemble all {n} parts with precompile assemble")
+    progress.note(
+        f"{target}: part {k}/{n}, {len(built)} unit(s) compiled in {seconds:.1f} s; assemble all {n} parts with precompile assemble"
+    )
     return PartResult(target, (k, n), built, seconds)
 
 
 def _part_record(
-    ctx: BuildContext, shard: tuple[int, int], tasks: list[CompileTask], mine: list[CompileTask], units: CompiledUnits, staging: Path
+    ctx: BuildContext,
+    shard: tuple[int, int],
+    tasks: list[CompileTask],
+    mine: list[CompileTask],
+    units: CompiledUnits,
+    staging: Path,
 ) -> dict[str, Any]:
     """``part.json``: where the part comes from, and per unit it compiled (its constants saved beside)."""
     built = []
     for unit in sorted(units.units, key=lambda u: (u.variant.id, u.candidate)):
         file, pkg = unit.package.path.name, unit.package  # variants/<the task's file>
         if pkg.constants:
-            save_file({name: t.contiguous() for name, t in pkg.constants.items()}, str(staging / CONSTANTS_DIR / f"{file}.safetensors"))
+            save_file(
+                {name: t.contiguous() for name, t in pkg.constants.items()},
+                str(staging / CONSTANTS_DIR / f"{file}.safetensors"),
+            )
         built.append(
             {
                 "file": file,
@@ -246,10 +260,14 @@ def check_parts(parts: list[Part]) -> None:
         ):
             a, b = _get(first.record, key), _get(part.record, key)
             if a != b:
-                raise PartError(f"{part.path} and {first.path} come from different builds: their {what} differ ({_short(b)} vs {_short(a)})")
+                raise PartError(
+                    f"{part.path} and {first.path} come from different builds: their {what} differ ({_short(b)} vs {_short(a)})"
+                )
     counts = {p.shard[1] for p in parts}
     if len(counts) != 1:
-        raise PartError(f"the parts were cut into different numbers of shards: {', '.join(f'{p.path}: {p.shard[0]}/{p.shard[1]}' for p in parts)}")
+        raise PartError(
+            f"the parts were cut into different numbers of shards: {', '.join(f'{p.path}: {p.shard[0]}/{p.shard[1]}' for p in parts)}"
+        )
     n = counts.pop()
     seen: dict[int, Path] = {}
     for p in parts:
@@ -259,7 +277,9 @@ def check_parts(parts: list[Part]) -> None:
         seen[k] = p.path
     missing = [k for k in range(1, n + 1) if k not in seen]
     if missing:
-        raise PartError(f"shard(s) {', '.join(f'{k}/{n}' for k in missing)} missing: build them with --shard and give every part")
+        raise PartError(
+            f"shard(s) {', '.join(f'{k}/{n}' for k in missing)} missing: build them with --shard and give every part"
+        )
     if first.record["torch_version"] != torch.__version__:
         raise PartError(
             f"the parts were compiled with torch {first.record['torch_version']}, this host has {torch.__version__}: "
@@ -305,11 +325,17 @@ def assemble(
 def _check_same_build(ctx: BuildContext, tasks: list[CompileTask], part: Part, profile_path: Path) -> None:
     """This host prepares the build the parts come from: the same profile, model, units and targets."""
     if profile_digest(ctx) != part.record["profile"]["sha256"]:
-        raise PartError(f"{profile_path} (or a file it names) is not the profile the parts were built from: it changed since")
+        raise PartError(
+            f"{profile_path} (or a file it names) is not the profile the parts were built from: it changed since"
+        )
     if model_digest(ctx.model) != part.record["model_sha256"]:
-        raise PartError(f"the model {ctx.profile.model.factory} resolves to other weights than the parts were built with")
+        raise PartError(
+            f"the model {ctx.profile.model.factory} resolves to other weights than the parts were built with"
+        )
     if sorted(t.file for t in tasks) != part.record["units"]:
-        raise PartError("this host plans other units than the parts hold (another torch, targets or plan): assemble where the parts were built alike")
+        raise PartError(
+            "this host plans other units than the parts hold (another torch, targets or plan): assemble where the parts were built alike"
+        )
     if list(ctx.devices) != part.record["devices"]:
         raise PartError(f"the parts were built for {part.record['devices']}, this host plans {list(ctx.devices)}")
 
@@ -325,7 +351,9 @@ def _unpack_parts(parts: list[Part], tasks: list[CompileTask], staging: Path) ->
         for entry in part.record["built"]:
             task = by_file.get(entry["file"])
             if task is None or entry["file"] in done:
-                raise PartError(f"{part.path}: unit {entry['file']} is not one this build plans, or another part holds it too")
+                raise PartError(
+                    f"{part.path}: unit {entry['file']} is not one this build plans, or another part holds it too"
+                )
             done.add(entry["file"])
             units.append(_unpack_unit(part, entry, staging, task.candidate))
         for entry in part.record["failed"]:

@@ -33,9 +33,7 @@ def staging_folder(target: Path, *, marker: str = C.MANIFEST_FILE, what: str = "
 
 def write_weights(folder: Path, constants: dict[str, torch.Tensor]) -> dict[str, ConstantSpec]:
     save_file({k: v.contiguous() for k, v in constants.items()}, str(folder / C.WEIGHTS_FILE))
-    return {
-        k: ConstantSpec(str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in sorted(constants.items())
-    }
+    return {k: ConstantSpec(str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in sorted(constants.items())}
 
 
 def file_entries(folder: Path) -> dict[str, FileEntry]:

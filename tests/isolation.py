@@ -37,7 +37,9 @@ sys.meta_path.insert(0, Blocker())
 '''
 
 
-def blocked_env(folder: Path, blocked: tuple[str, ...], *, allowed: tuple[str, ...] = SERVING_MODULES, env: dict | None = None) -> dict[str, str]:
+def blocked_env(
+    folder: Path, blocked: tuple[str, ...], *, allowed: tuple[str, ...] = SERVING_MODULES, env: dict | None = None
+) -> dict[str, str]:
     """An environment whose Python processes cannot import ``blocked`` (top-level names) nor any
     precompile module outside ``allowed``."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,11 @@ def test_inspect_lists_the_outputs_and_the_dims_their_axes_follow(tagger_build, 
     assert "outputs   (tuple)\n  output.0     [batch, seq, ·]\n  output.1     [batch, ·]\n" in result.output
     result = invoke("inspect", str(structured_artifact))
     names = json.loads((structured_artifact / "manifest.json").read_text())["output"]
-    assert result.exit_code == 0 and f"outputs   ({names['kind']})" in result.output and "(axes not recorded)" in result.output
+    assert (
+        result.exit_code == 0
+        and f"outputs   ({names['kind']})" in result.output
+        and "(axes not recorded)" in result.output
+    )
     assert "  hidden " in result.output and "  pair.0 " in result.output and "  pair.1 " in result.output
 
 
@@ -66,4 +70,6 @@ def test_inspect_missing_artifact_is_a_clean_error(tmp_path):
 def test_inspect_reads_a_pack_without_unpacking_it(classifier_pack, classifier_artifact):
     result = invoke("inspect", str(classifier_pack), "--json")
     assert result.exit_code == 0
-    assert json.loads(result.output)["files"] == json.loads((classifier_artifact / "manifest.json").read_text())["files"]
+    assert (
+        json.loads(result.output)["files"] == json.loads((classifier_artifact / "manifest.json").read_text())["files"]
+    )

@@ -28,7 +28,7 @@ DEADLINE = 60.0
 def dockerfile() -> tuple[dict[str, str], list[str]]:
     """The final stage's ENV and its ENTRYPOINT + CMD."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    final = text[text.rindex("\nFROM "):]
+    final = text[text.rindex("\nFROM ") :]
     env: dict[str, str] = {}
     command: list[str] = []
     for line in final.splitlines():

@@ -37,7 +37,10 @@ def inputs(batch, seq, real=None, seed=0):
 
 def test_artifact_holds_the_planned_variants(tagger_build, model):
     assert [(v.id, v.kind) for v in model.variants] == [
-        ("static-0", "static"), ("static-1", "static"), ("dynamic-0", "dynamic"), ("dynamic-1", "dynamic"),
+        ("static-0", "static"),
+        ("static-1", "static"),
+        ("dynamic-0", "dynamic"),
+        ("dynamic-1", "dynamic"),
     ]
     manifest = json.loads((tagger_build.path / "manifest.json").read_text())
     assert manifest["variants"][0]["dims"] == {"batch": [1, 1], "seq": [16, 16]}
@@ -57,7 +60,14 @@ def test_weights_are_stored_once_for_all_variants(tagger_build):
 
 @pytest.mark.parametrize(
     "batch, seq, variant",
-    [(1, 16, "static-0"), (2, 8, "static-1"), (3, 10, "dynamic-0"), (2, 16, "dynamic-0"), (1, 17, "dynamic-1"), (8, 32, "dynamic-1")],
+    [
+        (1, 16, "static-0"),
+        (2, 8, "static-1"),
+        (3, 10, "dynamic-0"),
+        (2, 16, "dynamic-0"),
+        (1, 17, "dynamic-1"),
+        (8, 32, "dynamic-1"),
+    ],
 )
 def test_calls_land_on_the_expected_variant(model, eager, batch, seq, variant):
     ids, mask = inputs(batch, seq)
@@ -129,7 +139,9 @@ def test_stats_count_calls_per_variant_and_shapes(tagger_build, tmp_path):
 
     # The histogram is what a profile's distribution.file reads: the next build sees this traffic.
     (tmp_path / "traffic.jsonl").write_text("".join(json.dumps(s) + "\n" for s in stats["shapes"]))
-    profile = write_profile(tmp_path, """
+    profile = write_profile(
+        tmp_path,
+        """
         name: next
         model: {factory: "tiny:tagger"}
         inputs:
@@ -137,7 +149,8 @@ def test_stats_count_calls_per_variant_and_shapes(tagger_build, tmp_path):
           mask: {shape: [batch, seq], dtype: bool}
         dims: {batch: {min: 1, max: 8}, seq: {min: 4, max: 32}}
         distribution: {file: traffic.jsonl}
-    """)
+    """,
+    )
     assert read_distribution(load_profile(profile)) == {(1, 16): 2, (3, 10): 1, (19, 12): 1}
 
 

@@ -23,14 +23,29 @@ ROOT = Path(__file__).resolve().parent.parent
 def wheel(tmp_path_factory) -> Path:
     """The wheel of the checkout's committed and new files (what a fresh clone holds), built offline."""
     src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     for rel in filter(None, files.decode().split("\0")):
         if (ROOT / rel).is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             (src / rel).write_bytes((ROOT / rel).read_bytes())
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(out), str(src)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
     )
     (found,) = out.glob("precompile-*.whl")
     return found
@@ -64,7 +79,13 @@ def test_the_wheel_holds_the_runtime_the_cli_and_the_server_and_nothing_else(whe
     names, meta, entry_points = metadata(wheel)
     packages = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert packages == {"loader", "precompile"}
-    for module in ("loader/__init__.py", "loader/model.py", "precompile/cli/__init__.py", "precompile/cli/serve.py", "precompile/serve/app.py"):
+    for module in (
+        "loader/__init__.py",
+        "loader/model.py",
+        "precompile/cli/__init__.py",
+        "precompile/cli/serve.py",
+        "precompile/serve/app.py",
+    ):
         assert module in names
     assert re.search(r"^precompile = precompile\.cli:main$", entry_points, re.M)
     assert meta["Name"] == "precompile" and meta["Requires-Python"] == ">=3.10"
@@ -76,7 +97,12 @@ def test_the_extras_mean_something(wheel):
     assert needs["packs"] == {"zstandard", "cryptography"}
     assert needs["serve"] == {"zstandard", "cryptography", "click", "fastapi", "uvicorn", "prometheus-client"}
     assert {"click", "pydantic", "pyyaml", "rich", "ruamel.yaml", "safetensors"} <= needs["build"]
-    assert not needs["build"] & {"fastapi", "uvicorn"} and not needs["serve"] & {"pyyaml", "rich", "pydantic", "safetensors"}
+    assert not needs["build"] & {"fastapi", "uvicorn"} and not needs["serve"] & {
+        "pyyaml",
+        "rich",
+        "pydantic",
+        "safetensors",
+    }
     assert needs["build"] | needs["serve"] <= needs["dev"]
     # The CLI's table of what each extra brings matches the wheel's (import names to distributions).
     providers = importlib.metadata.packages_distributions()
@@ -90,7 +116,9 @@ def run_python(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_runtime_loads_and_calls_an_artifact_without_the_build_side_or_the_server(classifier_artifact, classifier_pack, tmp_path):
+def test_the_runtime_loads_and_calls_an_artifact_without_the_build_side_or_the_server(
+    classifier_artifact, classifier_pack, tmp_path
+):
     env = blocked_env(tmp_path / "site", NOT_RUNTIME, allowed=())
     code = f"""
 import sys, torch, loader
@@ -123,26 +151,35 @@ except loader.LoaderError as e:
 """
     result = run_python(code, env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "a pack (.tar.zst) needs zstandard, which is not installed: pip install 'precompile[packs]'"
+    assert (
+        result.stdout.strip()
+        == "a pack (.tar.zst) needs zstandard, which is not installed: pip install 'precompile[packs]'"
+    )
 
 
 def test_a_command_whose_extra_is_missing_says_which_to_install(tmp_path):
     env = blocked_env(tmp_path / "site", ("yaml", "rich", "ruamel", "safetensors"))
     for args in (["build", "profile.yaml"], ["init", "--help"], ["plan", "x.yaml", "--json"]):
-        result = subprocess.run([sys.executable, "-m", "precompile", *args], env=env, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "precompile", *args], env=env, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 1
         assert result.stderr.strip() == (
             f"Error: precompile {args[0]} needs the build extra (yaml, rich, ruamel.yaml, safetensors not installed): "
             "pip install 'precompile[build]'"
         )
-    listing = subprocess.run([sys.executable, "-m", "precompile", "--help"], env=env, capture_output=True, text=True, timeout=300)
+    listing = subprocess.run(
+        [sys.executable, "-m", "precompile", "--help"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert listing.returncode == 0 and "build     (needs pip install 'precompile[build]')" in listing.stdout
     assert "serve     Serve ARTIFACT over HTTP" in listing.stdout
 
 
 def test_the_command_without_click_names_the_extras(tmp_path):
     env = blocked_env(tmp_path / "site", NOT_RUNTIME)
-    result = subprocess.run([sys.executable, "-m", "precompile", "--help"], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "precompile", "--help"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "precompile: the command line needs the serve or the build extra: "

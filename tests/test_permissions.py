@@ -51,4 +51,9 @@ def test_publish_gives_the_modes_the_umask_allows(tmp_path, mask, folder, file):
         publish(staging, tmp_path / "artifact")
     finally:
         os.umask(old)
-    assert modes(tmp_path / "artifact") == {".": folder, "variants": folder, "variants/v.pt2": file, "weights.safetensors": file}
+    assert modes(tmp_path / "artifact") == {
+        ".": folder,
+        "variants": folder,
+        "variants/v.pt2": file,
+        "weights.safetensors": file,
+    }

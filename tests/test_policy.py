@@ -82,7 +82,9 @@ def test_a_split_that_cannot_be_undone_is_refused_and_in_range_calls_still_serve
     """An artifact (from an older build, or edited) that splits seq with seq on two output axes."""
     path = copy_with_manifest(scores_build.path, tmp_path / "a", lambda m: m["policy"].update(seq="split"))
     bad = loader.load(path)
-    with pytest.raises(GuardError, match=r"its policy is split, which this artifact cannot undo: output 0 follows 'seq' on axes 1, 2") as info:
+    with pytest.raises(
+        GuardError, match=r"its policy is split, which this artifact cannot undo: output 0 follows 'seq' on axes 1, 2"
+    ) as info:
         bad(ids(2, 13))
     assert info.value.reason == "policy"
     x = ids(2, 12)

@@ -18,8 +18,7 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError
-from loader import remote
+from loader import ArtifactError, remote
 from loader.cache import Cache
 from precompile.cli import main
 from precompile.errors import PrecompileError
@@ -56,7 +55,9 @@ class S3Server:
         self.log = open(root.parent / f"rclone-{self.port}.log", "wb")
         auth = f"{ACCESS_KEY},{SECRET_KEY}"
         cmd = [str(rclone_binary()), "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", auth, str(root)]
-        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RCLONE_CONFIG": "/dev/null"})
+        self.process = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RCLONE_CONFIG": "/dev/null"}
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # until it answers
             if self.process.poll() is not None:
@@ -125,7 +126,9 @@ STORE = f"s3://{BUCKET}/prod"
 def test_push_then_load_downloads_once(s3, classifier_pack, downloads):
     pushed = push(classifier_pack, STORE)
     assert pushed.published and pushed.url == f"{STORE}/{pushed.name}/{pushed.version}.tar.zst"
-    assert (s3.root / BUCKET / "prod" / pushed.name / f"{pushed.version}.tar.zst").read_bytes() == classifier_pack.read_bytes()
+    assert (
+        s3.root / BUCKET / "prod" / pushed.name / f"{pushed.version}.tar.zst"
+    ).read_bytes() == classifier_pack.read_bytes()
 
     first = loader.load(pushed.url)
     second = loader.load(pushed.url)
@@ -220,7 +223,9 @@ def test_a_server_that_disappears_mid_download_leaves_no_entry(s3, classifier_pa
     assert not (s3.root.parent / "cache" / remote.RECORDS_DIR).exists()
 
 
-def test_an_object_replaced_at_the_same_url_is_downloaded_again(s3, classifier_pack, classifier_versions, tmp_path, downloads):
+def test_an_object_replaced_at_the_same_url_is_downloaded_again(
+    s3, classifier_pack, classifier_versions, tmp_path, downloads
+):
     from precompile.ship.pack import pack
 
     url = f"{STORE}/mutable/current.tar.zst"

@@ -11,8 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError, Live
-from loader import remote
+from loader import ArtifactError, Live, remote
 from precompile.cli import main
 from precompile.errors import PrecompileError
 from precompile.ship.remote import promote, push

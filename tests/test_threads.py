@@ -138,8 +138,13 @@ print(compile_threads(int(sys.argv[2])))
 
 def sized(cpus, jobs: int) -> int:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    out = subprocess.run([sys.executable, "-c", SIZE_IN_SUBPROCESS, ",".join(map(str, cpus)), str(jobs)],
-                         capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", SIZE_IN_SUBPROCESS, ",".join(map(str, cpus)), str(jobs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return int(out.stdout)
 
 
@@ -158,7 +163,10 @@ def test_compile_threads_env_override_and_its_errors():
     assert compile_threads(4, {"PRECOMPILE_COMPILE_THREADS": "3"}) == 3
     assert compile_threads(1, {"PRECOMPILE_COMPILE_THREADS": " "}) == compile_threads(1, {})
     for bad in ("abc", "0", "-2", "1.5"):
-        with pytest.raises(PrecompileError, match=rf"PRECOMPILE_COMPILE_THREADS='{re.escape(bad)}': expected a whole number of threads, 1 or more"):
+        with pytest.raises(
+            PrecompileError,
+            match=rf"PRECOMPILE_COMPILE_THREADS='{re.escape(bad)}': expected a whole number of threads, 1 or more",
+        ):
             compile_threads(2, {"PRECOMPILE_COMPILE_THREADS": bad})
 
 
@@ -171,7 +179,9 @@ def test_a_bad_compile_threads_value_stops_the_build_with_one_line(tmp_path, mon
 
     monkeypatch.setenv("PRECOMPILE_COMPILE_THREADS", "many")
     path = write_profile(tmp_path, STRUCTURED_PROFILE)
-    result = CliRunner().invoke(main, ["build", str(path), "-o", str(tmp_path / "out"), "--jobs", "2"], catch_exceptions=False)
+    result = CliRunner().invoke(
+        main, ["build", str(path), "-o", str(tmp_path / "out"), "--jobs", "2"], catch_exceptions=False
+    )
     assert result.exit_code == 1
     assert "PRECOMPILE_COMPILE_THREADS='many': expected a whole number of threads, 1 or more" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
@@ -180,7 +190,14 @@ def test_a_bad_compile_threads_value_stops_the_build_with_one_line(tmp_path, mon
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter, with OMP_WAIT_POLICY unset unless given."""
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "PYTHONPATH")}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**base, **env}, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def test_importing_loader_before_torch_makes_openmp_sleep_when_idle():

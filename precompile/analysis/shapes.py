@@ -28,9 +28,28 @@ aten = torch.ops.aten
 
 # Ops whose output holds the same values as their first argument (possibly fewer, rearranged or converted).
 KEEP_VALUES = {
-    aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze, aten.squeeze, aten.flatten, aten.unflatten,
-    aten.expand, aten.permute, aten.transpose, aten.t, aten.contiguous, aten.clone, aten.alias, aten.detach,
-    aten.slice, aten.select, aten.narrow, aten.repeat, aten.to, aten._to_copy, aten.lift_fresh_copy,
+    aten.view,
+    aten.reshape,
+    aten._unsafe_view,
+    aten.unsqueeze,
+    aten.squeeze,
+    aten.flatten,
+    aten.unflatten,
+    aten.expand,
+    aten.permute,
+    aten.transpose,
+    aten.t,
+    aten.contiguous,
+    aten.clone,
+    aten.alias,
+    aten.detach,
+    aten.slice,
+    aten.select,
+    aten.narrow,
+    aten.repeat,
+    aten.to,
+    aten._to_copy,
+    aten.lift_fresh_copy,
 }
 
 # The wrapper precompile.stages.resolve puts around a model keeps it under this attribute.
@@ -85,7 +104,6 @@ def symbol_ranges(ep: ExportedProgram) -> dict[Any, tuple[int | None, int | None
 
 
 # --- tables that bound a dim ---------------------------------------------------------------------
-
 
 
 @dataclass(frozen=True)
@@ -375,10 +393,12 @@ def dim_bound_problems(
         if d is None or d not in ranges or ranges[d][1] <= bound.max:
             continue
         lo, hi = ranges[d]
-        problems.append((
-            f"dims.{d}",
-            f"[{lo}, {hi}] goes past what the model serves: {bound.reason(d)}, so {d} can be at most {bound.max}; "
-            f"set dims.{d}.max to {bound.max} (a larger {d} indexes past the table: IndexError in eager, "
-            "undefined behaviour in compiled code)",
-        ))
+        problems.append(
+            (
+                f"dims.{d}",
+                f"[{lo}, {hi}] goes past what the model serves: {bound.reason(d)}, so {d} can be at most {bound.max}; "
+                f"set dims.{d}.max to {bound.max} (a larger {d} indexes past the table: IndexError in eager, "
+                "undefined behaviour in compiled code)",
+            )
+        )
     return problems

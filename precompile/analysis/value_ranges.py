@@ -26,6 +26,7 @@ from .shapes import KEEP_VALUES
 
 aten = torch.ops.aten
 
+
 @dataclass(frozen=True)
 class IndexTable:
     """The smallest table an input indexes: its size along the indexed axis and the op that reads it."""
@@ -124,11 +125,13 @@ def with_value_ranges(
             continue
         table = tables.get(name)
         if table is None:
-            notes.append((
-                "warning",
-                f"inputs.{name}: an {spec.dtype} input with no range, and it indexes no table the build could "
-                f"find: its values are not checked at the call (declare inputs.{name}.range to guard them)",
-            ))
+            notes.append(
+                (
+                    "warning",
+                    f"inputs.{name}: an {spec.dtype} input with no range, and it indexes no table the build could "
+                    f"find: its values are not checked at the call (declare inputs.{name}.range to guard them)",
+                )
+            )
             continue
         inputs[name] = spec.model_copy(update={"range": (0, table.rows - 1)})
         notes.append(("info", f"inputs.{name}: values guarded to [0, {table.rows - 1}], {table.describe()}"))
@@ -148,7 +151,9 @@ def manifest_inputs(profile: Profile) -> tuple[InputSpec, ...]:
             name,
             spec.dtype,
             tuple(spec.shape),
-            DimRange(int(spec.range[0]), int(spec.range[1])) if spec.range is not None and spec.dtype in INTEGER_DTYPES else None,
+            DimRange(int(spec.range[0]), int(spec.range[1]))
+            if spec.range is not None and spec.dtype in INTEGER_DTYPES
+            else None,
         )
         for name, spec in profile.inputs.items()
     )

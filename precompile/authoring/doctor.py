@@ -100,7 +100,9 @@ def diagnose(profile_path: str | Path, *, max_seconds: float = 300.0, progress: 
     sample = make_plan(loaded).variants[-1].hint  # the size the build runs eager and exports at
     shapes = _eager_shapes(loaded, sample)
     worked = []
-    with progress.stage("eager", f"forward() at {len(shapes)} shape(s): the build's sample size and every range's ends"):
+    with progress.stage(
+        "eager", f"forward() at {len(shapes)} shape(s): the build's sample size and every range's ends"
+    ):
         if _eager_at(loaded, model, sample, "sample", report):
             worked.append(sample)
             for what, sizes in shapes[1:]:
@@ -111,7 +113,9 @@ def diagnose(profile_path: str | Path, *, max_seconds: float = 300.0, progress: 
             found = _search_sample(loaded, model, sample)
             if found is not None:
                 worked.append(found)
-                progress.note("forward() works at " + ", ".join(f"{d}={n}" for d, n in found.items()) + ": traced there")
+                progress.note(
+                    "forward() works at " + ", ".join(f"{d}={n}" for d, n in found.items()) + ": traced there"
+                )
     report.checked.append(f"eager at {len(shapes)} shape(s)")
     # Trace where forward() runs: the build's export sizes if they work, else one that did.
     hint = export_hints(ranges, sample)
@@ -121,11 +125,17 @@ def diagnose(profile_path: str | Path, *, max_seconds: float = 300.0, progress: 
         ep, log, error, seconds = _draft_export(loaded, model, ranges, hint, max_seconds, progress)
     if error is None and ep is None:
         report.finished = False
-        report.checked.append(f"torch.export stopped after {seconds:.0f} s (--max-seconds), {len(log.guards)} guard(s) seen so far")
-        report.add(Finding(
-            "error", "export", f"torch.export did not finish within {max_seconds:g} s; what it found so far is listed",
-            fix="a dim the model fixes or bounds often makes export search long: narrow the ranges below, or rerun with a larger --max-seconds",
-        ))
+        report.checked.append(
+            f"torch.export stopped after {seconds:.0f} s (--max-seconds), {len(log.guards)} guard(s) seen so far"
+        )
+        report.add(
+            Finding(
+                "error",
+                "export",
+                f"torch.export did not finish within {max_seconds:g} s; what it found so far is listed",
+                fix="a dim the model fixes or bounds often makes export search long: narrow the ranges below, or rerun with a larger --max-seconds",
+            )
+        )
         for g in log.guards:
             _guard_finding(loaded, g.expr, _symbol_dims(loaded, log.sources), g.where, report)
         return report
@@ -167,7 +177,9 @@ def _search_sample(loaded: LoadedProfile, model: torch.nn.Module, sample: dict[s
     return None
 
 
-def _eager_at(loaded: LoadedProfile, model: torch.nn.Module, sizes: dict[str, int], what: str, report: DoctorReport) -> bool:
+def _eager_at(
+    loaded: LoadedProfile, model: torch.nn.Module, sizes: dict[str, int], what: str, report: DoctorReport
+) -> bool:
     """forward() at ``sizes``; a failure becomes a finding on the dim at its end (or on the sample)."""
     profile = loaded.profile
     try:
@@ -178,14 +190,25 @@ def _eager_at(loaded: LoadedProfile, model: torch.nn.Module, sizes: dict[str, in
         at = ", ".join(f"{d}={n}" for d, n in sizes.items())
         said = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
         if what == "sample":
-            report.add(Finding(
-                "error", "dims", f"eager forward() fails at {sample_sizes(profile, sizes)}: {said}",
-                fix="the findings below say which dim's size the model cannot take; set dims.<dim>.hint to a size it can",
-            ))
+            report.add(
+                Finding(
+                    "error",
+                    "dims",
+                    f"eager forward() fails at {sample_sizes(profile, sizes)}: {said}",
+                    fix="the findings below say which dim's size the model cannot take; set dims.<dim>.hint to a size it can",
+                )
+            )
         else:
             d = what.split(" ", 1)[0]
-            report.add(Finding("error", f"dims.{d}", f"eager forward() fails at {at} ({what}): {said}",
-                               fix=f"narrow dims.{d} to sizes the model takes", eager=True))
+            report.add(
+                Finding(
+                    "error",
+                    f"dims.{d}",
+                    f"eager forward() fails at {at} ({what}): {said}",
+                    fix=f"narrow dims.{d} to sizes the model takes",
+                    eager=True,
+                )
+            )
         return False
 
 
@@ -211,7 +234,11 @@ def _draft_export(loaded: LoadedProfile, model, ranges, hint, max_seconds: float
         try:
             # No duck sizing: two dims sampled at the same size keep their own symbols, so a guard names
             # the one dim it is about (the sample may need equal sizes: an image model's height and width).
-            with warnings.catch_warnings(), _shape_config.patch(use_duck_shape=False), capture_torch_logs(guards=True) as log:
+            with (
+                warnings.catch_warnings(),
+                _shape_config.patch(use_duck_shape=False),
+                capture_torch_logs(guards=True) as log,
+            ):
                 log_holder.append(log)
                 warnings.simplefilter("ignore")
                 if exporter is not None:
@@ -253,39 +280,69 @@ def _read_export(loaded: LoadedProfile, ep, ranges, report: DoctorReport) -> Non
             sources = {sym: src for sym, src in data.get("symbol_to_sources", {}).items()}
             _guard_finding(loaded, data["expr"], _symbol_dims(loaded, sources), line, report)
         elif kind == "DATA_DEPENDENT_ERROR":
-            report.add(Finding(
-                "error", "model",
-                f"forward() branches on tensor values: torch cannot decide `{data.get('expr')}` without the data "
-                f"(it assumed {data.get('result')!r} for the sample)",
-                fix="rewrite the branch with torch.where or torch.cond, assert the assumption with torch._check(...), or move it out of forward()",
-                source=line,
-            ))
+            report.add(
+                Finding(
+                    "error",
+                    "model",
+                    f"forward() branches on tensor values: torch cannot decide `{data.get('expr')}` without the data "
+                    f"(it assumed {data.get('result')!r} for the sample)",
+                    fix=(
+                        "rewrite the branch with torch.where or torch.cond, assert the assumption with torch._check(...), "
+                        "or move it out of forward()"
+                    ),
+                    source=line,
+                )
+            )
         elif kind in ("MISSING_FAKE_KERNEL", "MISMATCHED_FAKE_KERNEL"):
-            what = "has no fake (shape) kernel" if kind == "MISSING_FAKE_KERNEL" else f"has a fake kernel that disagrees with the real one ({data.get('reason')})"
-            report.add(Finding(
-                "error", "ops", f"custom op torch.ops.{data.get('op')} {what}: export cannot follow sizes through it",
-                fix="register one with torch.library.register_fake, computing the output shapes from the inputs'",
-            ))
+            what = (
+                "has no fake (shape) kernel"
+                if kind == "MISSING_FAKE_KERNEL"
+                else f"has a fake kernel that disagrees with the real one ({data.get('reason')})"
+            )
+            report.add(
+                Finding(
+                    "error",
+                    "ops",
+                    f"custom op torch.ops.{data.get('op')} {what}: export cannot follow sizes through it",
+                    fix="register one with torch.library.register_fake, computing the output shapes from the inputs'",
+                )
+            )
     names = _dims_of(loaded, ep)
     for (n, a), d in _declared_axes(loaded).items():
         size = input_axes(ep)[list(profile.inputs).index(n)][a]
         lo, hi = ranges[d]
         fixed = any(f.place == f"dims.{d}" and "fixes" in f.message for f in report.findings)
         if isinstance(size, int) and lo != hi and not fixed:
-            report.add(Finding(
-                "error", f"dims.{d}", f"the model fixes {d} to {size} (inputs.{n}.shape[{a}] specialized by torch.export)",
-                fix=f"write {size} for {d} in the input shapes (a static size), or change the code that needs it exact",
-            ))
+            report.add(
+                Finding(
+                    "error",
+                    f"dims.{d}",
+                    f"the model fixes {d} to {size} (inputs.{n}.shape[{a}] specialized by torch.export)",
+                    fix=f"write {size} for {d} in the input shapes (a static size), or change the code that needs it exact",
+                )
+            )
     for sym, (lo, hi) in symbol_ranges(ep).items():
         d = names.get(sym)
         if d is None or d not in ranges:
             continue
         if hi is not None and hi < ranges[d][1]:
-            report.add(Finding("error", f"dims.{d}", f"the model serves {d} ≤ {hi}, the profile declares max {ranges[d][1]}",
-                               fix=f"set dims.{d}.max to {hi}"))
+            report.add(
+                Finding(
+                    "error",
+                    f"dims.{d}",
+                    f"the model serves {d} ≤ {hi}, the profile declares max {ranges[d][1]}",
+                    fix=f"set dims.{d}.max to {hi}",
+                )
+            )
         if lo is not None and lo > max(ranges[d][0], 2):
-            report.add(Finding("error", f"dims.{d}", f"the model needs {d} ≥ {lo}, the profile declares min {ranges[d][0]}",
-                               fix=f"set dims.{d}.min to {lo}"))
+            report.add(
+                Finding(
+                    "error",
+                    f"dims.{d}",
+                    f"the model needs {d} ≥ {lo}, the profile declares min {ranges[d][0]}",
+                    fix=f"set dims.{d}.min to {lo}",
+                )
+            )
     for place, message in dim_bound_problems(ep, shapes, ranges):
         text, _, fix = message.partition("; set ")
         report.add(Finding("error", place, text, fix=("set " + fix) if fix else ""))
@@ -343,8 +400,15 @@ def _guard_finding(loaded: LoadedProfile, expr: str, dims: dict[str, str], where
     if m:
         value = int(m.group(2) if m.group(2).isdigit() else m.group(1))
         if lo != hi:
-            report.add(Finding("error", f"dims.{d}", f"the model fixes {d} to {value} (torch.export: {named})", source=where,
-                               fix=f"write {value} for {d} in the input shapes (a static size), or change that line so any {d} works"))
+            report.add(
+                Finding(
+                    "error",
+                    f"dims.{d}",
+                    f"the model fixes {d} to {value} (torch.export: {named})",
+                    source=where,
+                    fix=f"write {value} for {d} in the input shapes (a static size), or change that line so any {d} works",
+                )
+            )
         return
     m = re.fullmatch(r"(\w+) (<=|<|>=|>) (\d+)", expr)
     if m and m.group(1) in dims:
@@ -352,23 +416,58 @@ def _guard_finding(loaded: LoadedProfile, expr: str, dims: dict[str, str], where
         top = value if op == "<=" else value - 1 if op == "<" else None
         bottom = value if op == ">=" else value + 1 if op == ">" else None
         if top is not None and top < hi:
-            report.add(Finding("error", f"dims.{d}", f"the model serves {d} ≤ {top}, the profile declares max {hi}",
-                               source=where, fix=f"set dims.{d}.max to {top}"))
+            report.add(
+                Finding(
+                    "error",
+                    f"dims.{d}",
+                    f"the model serves {d} ≤ {top}, the profile declares max {hi}",
+                    source=where,
+                    fix=f"set dims.{d}.max to {top}",
+                )
+            )
         if bottom is not None and bottom > max(lo, 2):
-            report.add(Finding("error", f"dims.{d}", f"the model needs {d} ≥ {bottom}, the profile declares min {lo}",
-                               source=where, fix=f"set dims.{d}.min to {bottom}"))
+            report.add(
+                Finding(
+                    "error",
+                    f"dims.{d}",
+                    f"the model needs {d} ≥ {bottom}, the profile declares min {lo}",
+                    source=where,
+                    fix=f"set dims.{d}.min to {bottom}",
+                )
+            )
         return
     m = re.search(r"Mod\((\w+), (\d+)\)", expr)
     if m and m.group(1) in dims:
-        report.add(Finding("error", f"dims.{d}", f"the model needs {d} to be a multiple of {m.group(2)} (torch.export: {named})",
-                           source=where, fix=f"serve only such sizes as static ones, or pad {d} to a multiple of {m.group(2)} inside the model"))
+        report.add(
+            Finding(
+                "error",
+                f"dims.{d}",
+                f"the model needs {d} to be a multiple of {m.group(2)} (torch.export: {named})",
+                source=where,
+                fix=f"serve only such sizes as static ones, or pad {d} to a multiple of {m.group(2)} inside the model",
+            )
+        )
         return
     m = re.fullmatch(r"Eq\((\w+), (\w+)\)", expr)
     if m and all(x in dims for x in m.groups()):
         a, b = dims[m.group(1)], dims[m.group(2)]
         if a != b:
-            report.add(Finding("error", f"dims.{b}", f"the model needs {a} == {b}", source=where,
-                               fix=f"use one dim name for both axes (replace {b} with {a} in the input shapes)"))
+            report.add(
+                Finding(
+                    "error",
+                    f"dims.{b}",
+                    f"the model needs {a} == {b}",
+                    source=where,
+                    fix=f"use one dim name for both axes (replace {b} with {a} in the input shapes)",
+                )
+            )
         return
-    report.add(Finding("error", f"dims.{d}", f"the model's code assumes {named}", source=where,
-                       fix=f"narrow dims.{d} to sizes where this holds, or change that line"))
+    report.add(
+        Finding(
+            "error",
+            f"dims.{d}",
+            f"the model's code assumes {named}",
+            source=where,
+            fix=f"narrow dims.{d} to sizes where this holds, or change that line",
+        )
+    )

@@ -113,7 +113,9 @@ def read_traffic(path: Path) -> list[Call]:
                 else:
                     call.shapes[name], call.dtypes[name] = tuple(int(n) for n in spec["shape"]), spec.get("dtype")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise InitError(f"--traffic {path}, line {i}: {e!r}; expected {{\"inputs\": {{NAME: \"2x16:int64\"}}, \"count\": N}}") from None
+            raise InitError(
+                f'--traffic {path}, line {i}: {e!r}; expected {{"inputs": {{NAME: "2x16:int64"}}, "count": N}}'
+            ) from None
         calls.append(call)
     if not calls:
         raise InitError(f"--traffic {path}: no calls in the file")
@@ -167,10 +169,14 @@ def init_profile(
     names = list(calls[0].shapes)
     for i, c in enumerate(calls[1:], 2):
         if set(c.shapes) != set(names):
-            raise InitError(f"example call {i} has inputs {sorted(c.shapes)}, call 1 has {sorted(names)}: every call needs the same inputs")
+            raise InitError(
+                f"example call {i} has inputs {sorted(c.shapes)}, call 1 has {sorted(names)}: every call needs the same inputs"
+            )
         for n in names:
             if len(c.shapes[n]) != len(calls[0].shapes[n]) or c.dtypes[n] != calls[0].dtypes[n]:
-                raise InitError(f"input {n!r}: call {i} is {_fmt(c, n)}, call 1 is {_fmt(calls[0], n)}: ranks and dtypes must agree")
+                raise InitError(
+                    f"input {n!r}: call {i} is {_fmt(c, n)}, call 1 is {_fmt(calls[0], n)}: ranks and dtypes must agree"
+                )
     profile_name = name or re.sub(r"[^a-z0-9._-]+", "-", factory.rpartition(":")[2].lower()).strip("-._") or "model"
     draft = _draft(profile_name, factory, kwargs or {}, calls[0], names, None, output)
     with progress.stage("resolve", factory):
@@ -193,7 +199,9 @@ def init_profile(
         out = _eager(probe, first, "example call 1")
         keep, kind = _outputs_to_keep(out)
         model = adapt(inner, names, keep)
-    varying = {(n, a) for n in names for a in range(len(calls[0].shapes[n])) if len({c.shapes[n][a] for c in calls}) > 1}
+    varying = {
+        (n, a) for n in names for a in range(len(calls[0].shapes[n])) if len({c.shapes[n][a] for c in calls}) > 1
+    }
     notes: list[str] = []
     working = [calls[0]]
     with progress.stage("eager", f"forward() on {min(len(calls), 16)} example call(s)"):
@@ -219,11 +227,15 @@ def init_profile(
     dims = _dims(calls, names, varying, axes, ep, log)
     tables = _index_ranges(ep, draft)
     ranges = {n: tables.get(n) or _guess_range(n, calls[0].dtypes[n]) for n in names}
-    shape_of = {n: [_axis_name(dims, n, a, axes[n][a], calls[0].shapes[n][a]) for a in range(len(axes[n]))] for n in names}
+    shape_of = {
+        n: [_axis_name(dims, n, a, axes[n][a], calls[0].shapes[n][a]) for a in range(len(axes[n]))] for n in names
+    }
     with progress.stage("check", "eager on every example call and at the ends of every range"):
         notes += _check_calls(model, calls, names, ranges, dims, shape_of)
     outs = _outputs_decl(ep, dims)
-    text = _write(profile_name, factory, kwargs or {}, keep, kind, names, calls[0], shape_of, ranges, dims, outs, calls, command)
+    text = _write(
+        profile_name, factory, kwargs or {}, keep, kind, names, calls[0], shape_of, ranges, dims, outs, calls, command
+    )
     return InitResult(text, notes, dims)
 
 
@@ -233,11 +245,13 @@ def _fmt(c: Call, n: str) -> str:
 
 def _draft(name: str, factory: str, kwargs: dict, call: Call, names: list[str], keep, output: Path) -> LoadedProfile:
     try:
-        profile = Profile.model_validate({
-            "name": name,
-            "model": {"factory": factory, "kwargs": kwargs, **({"outputs": keep} if keep else {})},
-            "inputs": {n: {"shape": list(call.shapes[n]), "dtype": call.dtypes[n]} for n in names},
-        })
+        profile = Profile.model_validate(
+            {
+                "name": name,
+                "model": {"factory": factory, "kwargs": kwargs, **({"outputs": keep} if keep else {})},
+                "inputs": {n: {"shape": list(call.shapes[n]), "dtype": call.dtypes[n]} for n in names},
+            }
+        )
     except Exception as e:  # pydantic's ValidationError: a malformed factory or name
         raise InitError(f"cannot make a profile from these arguments: {e}") from None
     return LoadedProfile(profile=profile, path=output.resolve())
@@ -253,14 +267,14 @@ def _forward_order(model: torch.nn.Module, names: list[str]) -> list[str]:
         return names
     unknown = [n for n in names if n not in params]
     if unknown:
-        raise InitError(
-            f"forward() takes no {', '.join(map(repr, unknown))}; its parameters: {', '.join(params)}"
-        )
+        raise InitError(f"forward() takes no {', '.join(map(repr, unknown))}; its parameters: {', '.join(params)}")
     order = list(params)
     return sorted(names, key=order.index)
 
 
-def _sample(call: Call, names: list[str], ranges: dict[str, tuple[float, float] | None], seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _sample(
+    call: Call, names: list[str], ranges: dict[str, tuple[float, float] | None], seed: int = 0
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for n in names:
@@ -285,7 +299,9 @@ def _eager(model: torch.nn.Module, args: tuple, what: str) -> Any:
             return model(*args)
     except Exception as e:
         shapes = ", ".join(str(tuple(a.shape)) for a in args)
-        raise ModelError(f"{what} ({shapes}) fails in eager forward(): {type(e).__name__}: {str(e).strip()[:500]}") from None
+        raise ModelError(
+            f"{what} ({shapes}) fails in eager forward(): {type(e).__name__}: {str(e).strip()[:500]}"
+        ) from None
 
 
 def _outputs_to_keep(out: Any) -> tuple[list[str | int] | None, str]:
@@ -321,7 +337,11 @@ def _export(model: torch.nn.Module, args: tuple, names: list[str], varying: set)
     dynamic_shapes = (specs,) if takes_varargs(model) else specs
     try:
         # No duck sizing: axes of equal example sizes (a square image) keep their own symbols.
-        with warnings.catch_warnings(), _shape_config.patch(use_duck_shape=False), capture_torch_logs(guards=True) as log:
+        with (
+            warnings.catch_warnings(),
+            _shape_config.patch(use_duck_shape=False),
+            capture_torch_logs(guards=True) as log,
+        ):
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:
@@ -365,9 +385,18 @@ def _dims(calls: list[Call], names: list[str], varying: set, axes: dict, ep, log
         if table is not None and (hi_proven is None or table.max <= hi_proven):
             hi, why_max = table.max, f"the model's limit: {table.reason(name)}"
         elif hi_proven is not None:
-            guard = next((gd for gd in log.guards if re.search(rf"\b{re.escape(str(min(his)[1]))}\b", gd.expr) and "<" in gd.expr), None)
-            hi, why_max = hi_proven, f"the model's limit: its code needs {name} ≤ {hi_proven}" + (
-                f" (torch.export: {guard.expr} {guard.where})" if guard else " (torch.export proved it)"
+            guard = next(
+                (
+                    gd
+                    for gd in log.guards
+                    if re.search(rf"\b{re.escape(str(min(his)[1]))}\b", gd.expr) and "<" in gd.expr
+                ),
+                None,
+            )
+            hi, why_max = (
+                hi_proven,
+                f"the model's limit: its code needs {name} ≤ {hi_proven}"
+                + (f" (torch.export: {guard.expr} {guard.where})" if guard else " (torch.export proved it)"),
             )
         else:
             top = max(observed)
@@ -427,14 +456,19 @@ def _guess_range(name: str, dtype: str) -> tuple[int, int] | None:
     return None
 
 
-def _check_calls(model, calls: list[Call], names: list[str], ranges: dict, dims: dict[str, Dim], shape_of: dict) -> list[str]:
+def _check_calls(
+    model, calls: list[Call], names: list[str], ranges: dict, dims: dict[str, Dim], shape_of: dict
+) -> list[str]:
     """Run eager at the ends of every range (the others at their min); say which fail."""
     notes = []
     base = {d.name: d.min for d in dims.values()}
     for d in dims.values():
         for size in dict.fromkeys((d.min, d.max)):
             sizes = {**base, d.name: size}
-            call = Call({n: tuple(sizes[s] if isinstance(s, str) else s for s in shape_of[n]) for n in names}, dict(calls[0].dtypes))
+            call = Call(
+                {n: tuple(sizes[s] if isinstance(s, str) else s for s in shape_of[n]) for n in names},
+                dict(calls[0].dtypes),
+            )
             at = ", ".join(f"{k}={v}" for k, v in sizes.items())
             try:
                 _eager(model, _sample(call, names, ranges), f"at {at}")
@@ -466,19 +500,30 @@ def _flow(value: Any) -> str:
     """A YAML flow value: names and numbers bare, anything else quoted JSON."""
     if isinstance(value, list):
         return "[" + ", ".join(_flow(v) for v in value) + "]"
-    if isinstance(value, str) and re.fullmatch(r"[A-Za-z_]\w*", value) and value not in ("true", "false", "null", "yes", "no", "on", "off"):
+    if (
+        isinstance(value, str)
+        and re.fullmatch(r"[A-Za-z_]\w*", value)
+        and value not in ("true", "false", "null", "yes", "no", "on", "off")
+    ):
         return value
     return json.dumps(value)
 
 
 def _write(name, factory, kwargs, keep, kind, names, call, shape_of, ranges, dims, outs, calls, command) -> str:
-    lines = ["# Written by `precompile init`" + (f": {command}" if command else "") + ".",
-             "# Edit the ranges to the traffic you serve; `precompile doctor` checks the profile, `precompile build` builds it.",
-             f"name: {name}", "model:", f"  factory: {json.dumps(factory)}"]
+    lines = [
+        "# Written by `precompile init`" + (f": {command}" if command else "") + ".",
+        "# Edit the ranges to the traffic you serve; `precompile doctor` checks the profile, `precompile build` builds it.",
+        f"name: {name}",
+        "model:",
+        f"  factory: {json.dumps(factory)}",
+    ]
     if kwargs:
         lines.append(f"  kwargs: {json.dumps(kwargs)}")
     if keep is not None:
-        lines.append(f"  outputs: {_flow(keep)}".ljust(48) + f"  # what forward()'s {kind} holds as tensors; drop what you do not serve")
+        lines.append(
+            f"  outputs: {_flow(keep)}".ljust(48)
+            + f"  # what forward()'s {kind} holds as tensors; drop what you do not serve"
+        )
     lines.append("inputs:                                         # in forward() order")
     for n in names:
         spec = f"{{shape: {_flow(shape_of[n])}, dtype: {call.dtypes[n]}"
@@ -486,17 +531,27 @@ def _write(name, factory, kwargs, keep, kind, names, call, shape_of, ranges, dim
         r = ranges.get(n)
         if r is not None:
             spec += f", range: [{r[0]}, {r[1]}]"
-            comment = "  # values: a mask (0 or 1)" if "mask" in n and r == (0, 1) else f"  # values: the rows of the table it indexes ({r[1] + 1})"
+            comment = (
+                "  # values: a mask (0 or 1)"
+                if "mask" in n and r == (0, 1)
+                else f"  # values: the rows of the table it indexes ({r[1] + 1})"
+            )
         elif call.dtypes[n] in INTEGER_DTYPES:
             comment = "  # indexes no table the model has: declare range: [low, high] to guard its values"
         lines.append(f"  {n}: {spec}}}".ljust(48) + comment)
     if dims:
         lines.append("dims:")
         for d in dims.values():
-            lines.append(f"  {d.name}: {{min: {d.min}, max: {d.max}}}".ljust(48) + f"  # min: {d.why_min}; max: {d.why_max}")
+            lines.append(
+                f"  {d.name}: {{min: {d.min}, max: {d.max}}}".ljust(48) + f"  # min: {d.why_min}; max: {d.why_max}"
+            )
     else:
-        lines.append("dims: {}                                        # every axis static: give a second --example call with other sizes to make some dynamic")
-    lines.append("outputs:                                        # flat, in order; a dim name: the axis follows that dim")
+        lines.append(
+            "dims: {}                                        # every axis static: give a second --example call with other sizes to make some dynamic"
+        )
+    lines.append(
+        "outputs:                                        # flat, in order; a dim name: the axis follows that dim"
+    )
     labels = [str(k) for k in keep] if keep is not None and len(keep) == len(outs) else [""] * len(outs)
     for row, label in zip(outs, labels):
         lines.append(f"  - {{shape: {_flow(row)}}}".ljust(48) + (f"  # {label}" if label else ""))

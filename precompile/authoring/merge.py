@@ -164,7 +164,7 @@ def _splice(text: str, data, yaml) -> str:
     block = _trim_tail(out.getvalue().splitlines(keepends=True))
     position = data.lc.data.get("distribution") if hasattr(data.lc, "data") else None
     if position is None:  # a new key: at the end
-        return "".join(_trim_tail(lines) + block + lines[len(_trim_tail(lines)):])
+        return "".join(_trim_tail(lines) + block + lines[len(_trim_tail(lines)) :])
     start = position[0]
     later = [data.lc.data[k][0] for k in keys[keys.index("distribution") + 1 :] if k in data.lc.data]
     end = len(_trim_tail(lines[: min(later) if later else len(lines)]))

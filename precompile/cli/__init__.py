@@ -53,9 +53,21 @@ COMMANDS = {
     **{
         name: (module, "build")
         for name, module in {
-            "build": "build", "assemble": "assemble", "plan": "plan", "schema": "schema", "profile": "profile_cmd",
-            "init": "init", "doctor": "doctor", "keygen": "keygen", "pack": "pack", "sign": "sign",
-            "verify": "verify", "push": "push", "pull": "pull", "ls": "ls", "promote": "promote",
+            "build": "build",
+            "assemble": "assemble",
+            "plan": "plan",
+            "schema": "schema",
+            "profile": "profile_cmd",
+            "init": "init",
+            "doctor": "doctor",
+            "keygen": "keygen",
+            "pack": "pack",
+            "sign": "sign",
+            "verify": "verify",
+            "push": "push",
+            "pull": "pull",
+            "ls": "ls",
+            "promote": "promote",
         }.items()
     },
 }

@@ -9,7 +9,13 @@ from . import main, user_errors
 
 @main.command()
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--max-seconds", type=click.FloatRange(min=1), default=300, show_default=True, help="Stop torch.export after this long and report what it found so far.")
+@click.option(
+    "--max-seconds",
+    type=click.FloatRange(min=1),
+    default=300,
+    show_default=True,
+    help="Stop torch.export after this long and report what it found so far.",
+)
 @user_errors
 def doctor(profile: Path, max_seconds: float) -> None:
     """Find every reason PROFILE will not build, at once, without compiling.

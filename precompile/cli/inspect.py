@@ -30,7 +30,8 @@ def inspect(artifact: Path, as_json: bool) -> None:
 def describe(manifest) -> str:
     t = manifest.target
     lines = [
-        f"name      {manifest.name}   version {manifest.version}" + (f"   expires {manifest.expires}" if manifest.expires else ""),
+        f"name      {manifest.name}   version {manifest.version}"
+        + (f"   expires {manifest.expires}" if manifest.expires else ""),
         f"target    {t.device} ({t.cpu_capability}; {t.platform}/{t.machine})",
         f"torch     {manifest.torch_version}   precompile {manifest.precompile_version}   built {manifest.created}",
         "inputs",
@@ -49,7 +50,8 @@ def describe(manifest) -> str:
     for v in manifest.variants:
         ranges = ", ".join(f"{d}={r.min}" if r.min == r.max else f"{d} {r}" for d, r in v.dims.items())
         lines.append(
-            f"  {v.id:<18} {v.kind:<8} {v.device:<5} {v.precision:<5} {ranges}" + (f"  ({v.dtype})" if v.dtype else "")
+            f"  {v.id:<18} {v.kind:<8} {v.device:<5} {v.precision:<5} {ranges}"
+            + (f"  ({v.dtype})" if v.dtype else "")
             + ("  [own weights]" if v.embedded_constants else "")
         )
         if v.precision != "fp32":

@@ -8,7 +8,15 @@ from . import main, user_errors
 
 
 @main.command()
-@click.option("-o", "--output", "prefix", type=click.Path(path_type=Path), default=Path("signing"), show_default=True, help="Writes PREFIX.key and PREFIX.pub.")
+@click.option(
+    "-o",
+    "--output",
+    "prefix",
+    type=click.Path(path_type=Path),
+    default=Path("signing"),
+    show_default=True,
+    help="Writes PREFIX.key and PREFIX.pub.",
+)
 @click.option("--force", is_flag=True, help="Overwrite existing key files.")
 @user_errors
 def keygen(prefix: Path, force: bool) -> None:

@@ -16,25 +16,111 @@ if TYPE_CHECKING:
 @click.argument("artifact")  # a path, or a URL (kept as typed: Path would fold its //)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Server processes, each loading the artifact.")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), help="Larger request bodies get HTTP 413 on every endpoint. Default: the JSON size of the largest call within the artifact's dim ranges (1 MiB to 256 MiB).")
-@click.option("--allow-reload", is_flag=True, help="Enable POST /v1/reload (an admin endpoint): reload ARTIFACT, or with --reload-root, artifacts under it.")
-@click.option("--reload-root", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Let /v1/reload load artifacts under DIR only (symbolic links followed); without it, only ARTIFACT.")
-@click.option("--allow-rollback", is_flag=True, help="Let a reload or --watch swap to an older version (a request cannot ask for it).")
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Serve only artifacts signed by this public key (repeatable): the first load, --watch and reloads.")
-@click.option("--min-version", type=click.IntRange(min=0), help="Refuse artifact versions below N, at the first load, --watch and reloads.")
-@click.option("--refuse-rollback", is_flag=True, help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).")
-@click.option("--watch", is_flag=True, help="Follow ARTIFACT (a link or pointer file, or a pointer object in a store such as s3://.../current) and swap when a deploy replaces it.")
-@click.option("--watch-interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True, help="Seconds between looks at ARTIFACT.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Server processes, each loading the artifact.",
+)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    help=(
+        "Larger request bodies get HTTP 413 on every endpoint. Default: the JSON size of the largest call within "
+        "the artifact's dim ranges (1 MiB to 256 MiB)."
+    ),
+)
+@click.option(
+    "--allow-reload",
+    is_flag=True,
+    help="Enable POST /v1/reload (an admin endpoint): reload ARTIFACT, or with --reload-root, artifacts under it.",
+)
+@click.option(
+    "--reload-root",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Let /v1/reload load artifacts under DIR only (symbolic links followed); without it, only ARTIFACT.",
+)
+@click.option(
+    "--allow-rollback",
+    is_flag=True,
+    help="Let a reload or --watch swap to an older version (a request cannot ask for it).",
+)
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Serve only artifacts signed by this public key (repeatable): the first load, --watch and reloads.",
+)
+@click.option(
+    "--min-version",
+    type=click.IntRange(min=0),
+    help="Refuse artifact versions below N, at the first load, --watch and reloads.",
+)
+@click.option(
+    "--refuse-rollback",
+    is_flag=True,
+    help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).",
+)
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Follow ARTIFACT (a link or pointer file, or a pointer object in a store such as s3://.../current) and swap when a deploy replaces it.",
+)
+@click.option(
+    "--watch-interval",
+    type=click.FloatRange(min=0.05),
+    default=2.0,
+    show_default=True,
+    help="Seconds between looks at ARTIFACT.",
+)
 @click.option("--record", metavar="PATH", help="Write the observed shape histogram to PATH ({pid}: the process id).")
-@click.option("--record-interval", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="Seconds between writes of --record (and at shutdown).")
-@click.option("--batch", is_flag=True, help="Batch concurrent /predict and /v2 infer calls into the compiled variants (loader.Batcher).")
-@click.option("--max-batch", type=click.IntRange(min=1), help="With --batch: most rows one batch holds. Default: the largest batch a variant serves.")
-@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True, help="With --batch: longest a call waits for batch-mates.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=1024, show_default=True, help="With --batch: calls waiting at most; more get HTTP 503.")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "int8"]), default="auto", show_default=True, help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.")
+@click.option(
+    "--record-interval",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    show_default=True,
+    help="Seconds between writes of --record (and at shutdown).",
+)
+@click.option(
+    "--batch",
+    is_flag=True,
+    help="Batch concurrent /predict and /v2 infer calls into the compiled variants (loader.Batcher).",
+)
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    help="With --batch: most rows one batch holds. Default: the largest batch a variant serves.",
+)
+@click.option(
+    "--max-delay-ms",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="With --batch: longest a call waits for batch-mates.",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="With --batch: calls waiting at most; more get HTTP 503.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
+    default="auto",
+    show_default=True,
+    help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.",
+)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")
-@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    default="info",
+    show_default=True,
+)
 @user_errors
 def serve(
     artifact: str,

@@ -9,7 +9,13 @@ from . import main, user_errors
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--key", "key", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Ed25519 private key (`precompile keygen`).")
+@click.option(
+    "--key",
+    "key",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Ed25519 private key (`precompile keygen`).",
+)
 @user_errors
 def sign(artifact: Path, key: Path) -> None:
     """Sign an artifact folder or pack: an Ed25519 signature over its manifest, which pins every file.

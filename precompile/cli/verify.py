@@ -9,7 +9,13 @@ from . import main, user_errors
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--key", "keys", multiple=True, type=click.Path(dir_okay=False, path_type=Path), help="Trusted public key; the artifact must be signed by one of them (repeatable).")
+@click.option(
+    "--key",
+    "keys",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Trusted public key; the artifact must be signed by one of them (repeatable).",
+)
 @click.option("--run", is_flag=True, help="Also load it and recompute its reference outputs here.")
 @click.option("--device", help="Device to check and run on: cpu, cuda, cuda:N [default: the artifact's target].")
 @user_errors

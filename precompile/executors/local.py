@@ -67,7 +67,10 @@ class LocalExecutor:
                     if task is None:
                         break
                     pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-                    running[pool.submit(compile_in_worker, job.context.loaded.path, task, job.staging, threads)] = (task, pool)
+                    running[pool.submit(compile_in_worker, job.context.loaded.path, task, job.staging, threads)] = (
+                        task,
+                        pool,
+                    )
                 if not running:
                     return
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -95,6 +98,8 @@ class LocalExecutor:
             faulthandler.enable()
         try:
             ctx = job.context
-            return Outcome(task, compile_unit(ctx.loaded, ctx.model, task, job.staging, calibration=lambda: ctx.calibration))
+            return Outcome(
+                task, compile_unit(ctx.loaded, ctx.model, task, job.staging, calibration=lambda: ctx.calibration)
+            )
         except PrecompileError as e:
             return Outcome(task, None, e)

@@ -65,7 +65,9 @@ class RayExecutor:
             slots = max(1, min(slots, job.units))
             if job.progress is not None:
                 cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
-                job.progress.note(f"ray: {len(nodes)} node(s), {cpus:g} CPU(s); {slots} unit(s) at a time, {self.cpus} CPU(s) each")
+                job.progress.note(
+                    f"ray: {len(nodes)} node(s), {cpus:g} CPU(s); {slots} unit(s) at a time, {self.cpus} CPU(s) each"
+                )
             # Every unit in a worker process of its own, retried on worker or node death and on exceptions
             # that are not ours (ours return as values: see compile_unit).
             remote = ray.remote(max_calls=1, max_retries=self.retries, retry_exceptions=True)(compile_unit)
@@ -83,8 +85,11 @@ class RayExecutor:
                         feasible.add(key)
                     gpus = needs.pop("GPU", 0)
                     ref = remote.options(
-                        num_cpus=self.cpus, num_gpus=gpus, resources={k: v for k, v in needs.items() if k != "CPU"} or None,
-                        scheduling_strategy="SPREAD", name=f"precompile:{task.vp.id}.c{task.candidate}",
+                        num_cpus=self.cpus,
+                        num_gpus=gpus,
+                        resources={k: v for k, v in needs.items() if k != "CPU"} or None,
+                        scheduling_strategy="SPREAD",
+                        name=f"precompile:{task.vp.id}.c{task.candidate}",
                     ).remote(profile, task, self.cpus, torch.__version__)
                     running[ref] = task
                 if not running:
@@ -114,7 +119,9 @@ class RayExecutor:
             ray.init(address=self.address, **options)
         except Exception as e:  # ConnectionError, a version mismatch (RuntimeError), ...
             where = f"--address {self.address}" if self.address else "ray.init()"
-            raise PrecompileError(f"{where}: cannot connect to the Ray cluster: {type(e).__name__}: {first_line(e, 500)}") from None
+            raise PrecompileError(
+                f"{where}: cannot connect to the Ray cluster: {type(e).__name__}: {first_line(e, limit=500)}"
+            ) from None
         return True
 
     def _needs(self, task: CompileTask) -> dict[str, float]:
@@ -133,7 +140,13 @@ class RayExecutor:
             raise
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if e.cause is not None else e
-            return Outcome(task, None, CompileError(f"{name}: failed {self.retries + 1} time(s) on the Ray cluster: {type(cause).__name__}: {first_line(cause, 500)}"))
+            return Outcome(
+                task,
+                None,
+                CompileError(
+                    f"{name}: failed {self.retries + 1} time(s) on the Ray cluster: {type(cause).__name__}: {first_line(cause, limit=500)}"
+                ),
+            )
         except ray.exceptions.RayError as e:
             return Outcome(
                 task,
@@ -141,7 +154,7 @@ class RayExecutor:
                 CompileError(
                     f"{name}: its Ray task failed {self.retries + 1} time(s): {type(e).__name__} (its worker process or "
                     "node died: most often the out-of-memory killer, else a crash in torch or the compiler; the "
-                    f"worker's output is above, prefixed with its pid): {first_line(e, 500)}"
+                    f"worker's output is above, prefixed with its pid): {first_line(e, limit=500)}"
                 ),
             )
         if "error" in value:
@@ -189,7 +202,9 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise PrecompileError("--executor ray needs Ray on this host and the cluster's: pip install 'precompile[ray]'") from None
+        raise PrecompileError(
+            "--executor ray needs Ray on this host and the cluster's: pip install 'precompile[ray]'"
+        ) from None
     return ray
 
 
@@ -205,21 +220,26 @@ def _check_feasible(nodes: list[dict[str, Any]], needs: dict[str, float], name: 
         return
     wanted = ", ".join(f"{k}: {v:g}" for k, v in needs.items())
     offered = "; ".join(
-        ", ".join(f"{k}: {v:g}" for k, v in sorted(n["Resources"].items()) if k in needs) or "none of them" for n in nodes
+        ", ".join(f"{k}: {v:g}" for k, v in sorted(n["Resources"].items()) if k in needs) or "none of them"
+        for n in nodes
     )
     hint = (
         f"start a node with it (ray start --num-gpus 1 --resources '{{\"{gpu_resource()}\": 1}}')"
         if "GPU" in needs
         else "lower --ray-cpus"
     )
-    raise PrecompileError(f"{name}: no node of the Ray cluster has {wanted} (nodes offer: {offered or 'no nodes'}); {hint}")
+    raise PrecompileError(
+        f"{name}: no node of the Ray cluster has {wanted} (nodes offer: {offered or 'no nodes'}); {hint}"
+    )
 
 
 def _check_reachable(address: str) -> None:
     """Say at once that nothing listens at ``address`` (ray.init would retry for a minute)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise PrecompileError(f"--address {address}: not HOST:PORT (the head's address, as `ray start --head` printed it)")
+        raise PrecompileError(
+            f"--address {address}: not HOST:PORT (the head's address, as `ray start --head` printed it)"
+        )
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
     except OSError as e:
@@ -227,4 +247,3 @@ def _check_reachable(address: str) -> None:
             f"--address {address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); start one with "
             f"`ray start --head --port {port}`, or give the address it printed"
         ) from None
-

@@ -171,7 +171,8 @@ def batching_problems(profile: Profile) -> list[tuple[str, str]]:
                 problems.append(
                     (
                         "batching.dim",
-                        f"outputs[{i}] (shape {out.shape}) follows {spec.dim!r} on {where}; each caller's rows are cut from exactly one axis of every output",
+                        f"outputs[{i}] (shape {out.shape}) follows {spec.dim!r} on {where}; "
+                        "each caller's rows are cut from exactly one axis of every output",
                     )
                 )
     for i, d in enumerate(spec.pad):
@@ -202,7 +203,8 @@ def batching_problems(profile: Profile) -> list[tuple[str, str]]:
             problems.append(
                 (
                     place,
-                    f"{value:g} is outside inputs.{name}.range [{inp.range[0]:g}, {inp.range[1]:g}]: the loader refuses such values, widen the range to hold it",
+                    f"{value:g} is outside inputs.{name}.range [{inp.range[0]:g}, {inp.range[1]:g}]: "
+                    "the loader refuses such values, widen the range to hold it",
                 )
             )
     return problems

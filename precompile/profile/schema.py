@@ -188,7 +188,10 @@ class AccuracySpec(AccuracyRule):
     min_speedup: float = Field(
         default=1.0,
         ge=0,
-        description="a bf16 or int8 variant is kept only if this much faster than fp32 on its traffic (> 1.0 by default; 0 keeps any that is accurate)",
+        description=(
+            "a bf16 or int8 variant is kept only if this much faster than fp32 on its traffic "
+            "(> 1.0 by default; 0 keeps any that is accurate)"
+        ),
     )
 
     def rule(self, output: int) -> AccuracyRule:

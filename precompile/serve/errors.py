@@ -120,4 +120,6 @@ def refusal(e: Exception) -> Refused | None:
 def internal(e: Exception) -> Refused:
     """The refusal an unexpected exception is answered with (after its traceback is logged)."""
     text = str(e).strip()
-    return Refused(Code.INTERNAL, f"internal error: {type(e).__name__}: {text.splitlines()[0] if text else type(e).__name__}")
+    return Refused(
+        Code.INTERNAL, f"internal error: {type(e).__name__}: {text.splitlines()[0] if text else type(e).__name__}"
+    )

@@ -131,7 +131,7 @@ def _check_accuracy(
         run = open_runner(unit.package, vp.device)
         _measure_accuracy(profile, model, run, samples, result)
     except RuntimeError as e:  # the compiled code failing on a calibration input
-        result.reason = f"failed to run: {first_line(e, 300)}"
+        result.reason = f"failed to run: {first_line(e, limit=300)}"
         return None
     failing = [a for a in result.accuracy if not a["passed"]]
     if failing:
@@ -159,7 +159,7 @@ def _check_speed(
         fp32_ms, *ms = _time_together(profile, [twin] + [run for _, run in timed], shapes, timer)
     except RuntimeError as e:
         for result, _ in timed:
-            result.reason = f"failed to run: {first_line(e, 300)}"
+            result.reason = f"failed to run: {first_line(e, limit=300)}"
         return
     wanted = profile.accuracy.min_speedup
     for (result, _), mine in zip(timed, ms):

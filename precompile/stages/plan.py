@@ -37,7 +37,11 @@ def plan_variants(profile: Profile, distribution: dict[Shape, int]) -> Plan:
     dims = tuple(profile.dims)
     ranges = {d: (s.min, s.max) for d, s in profile.dims.items()}
     total = sum(distribution.values())
-    in_range = {k: c for k, c in distribution.items() if c > 0 and all(ranges[d][0] <= k[i] <= ranges[d][1] for i, d in enumerate(dims))}
+    in_range = {
+        k: c
+        for k, c in distribution.items()
+        if c > 0 and all(ranges[d][0] <= k[i] <= ranges[d][1] for i, d in enumerate(dims))
+    }
     outside = {k: c for k, c in distribution.items() if c > 0 and k not in in_range}
 
     statics: list[VariantPlan] = []
@@ -65,7 +69,9 @@ def plan_variants(profile: Profile, distribution: dict[Shape, int]) -> Plan:
     for i, box in enumerate(boxes):
         box_ranges = dict(zip(dims, box))
         inside = {
-            k: c for k, c in in_range.items() if all(box_ranges[d][0] <= k[j] <= box_ranges[d][1] for j, d in enumerate(dims))
+            k: c
+            for k, c in in_range.items()
+            if all(box_ranges[d][0] <= k[j] <= box_ranges[d][1] for j, d in enumerate(dims))
         }
         serves = {k: c for k, c in inside.items() if k not in static_keys}
         served = sum(serves.values())
@@ -101,9 +107,7 @@ def plan_variants(profile: Profile, distribution: dict[Shape, int]) -> Plan:
         dynamic_count=sum(v.count for v in dynamic),
         by_policy=by_policy,
         rejected_count=rejected,
-        out_of_range=tuple(
-            (dict(zip(dims, k)), c) for k, c in sorted(outside.items(), key=lambda kv: (-kv[1], kv[0]))
-        ),
+        out_of_range=tuple((dict(zip(dims, k)), c) for k, c in sorted(outside.items(), key=lambda kv: (-kv[1], kv[0]))),
     )
 
 
@@ -114,7 +118,10 @@ def _policy_serves(profile: Profile, sizes: dict[str, int]) -> bool:
         if spec.min <= n <= spec.max:
             continue
         policy = profile.policy.out_of_range.get(d, "error")
-        if not ((policy == "pad" and n < spec.min) or (policy == "split" and n > spec.max and split_sizes(n, spec.min, spec.max))):
+        if not (
+            (policy == "pad" and n < spec.min)
+            or (policy == "split" and n > spec.max and split_sizes(n, spec.min, spec.max))
+        ):
             return False
     return True
 

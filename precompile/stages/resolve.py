@@ -76,18 +76,25 @@ def output_dims(loaded: LoadedProfile, outputs: list[torch.Tensor], sizes: dict[
         return None
     problems = []
     if len(profile.outputs) != len(outputs):
-        problems.append(("outputs", f"declares {len(profile.outputs)} outputs, forward() returns {len(outputs)} tensors"))
+        problems.append(
+            ("outputs", f"declares {len(profile.outputs)} outputs, forward() returns {len(outputs)} tensors")
+        )
     rows = []
     for i, (decl, t) in enumerate(zip(profile.outputs, outputs)):
         if len(decl.shape) != t.dim():
-            problems.append((f"outputs[{i}].shape", f"has {len(decl.shape)} axes, the output has shape {tuple(t.shape)}"))
+            problems.append(
+                (f"outputs[{i}].shape", f"has {len(decl.shape)} axes, the output has shape {tuple(t.shape)}")
+            )
             continue
         row = []
         for axis, (s, n) in enumerate(zip(decl.shape, t.shape)):
             if isinstance(s, str) and s in profile.dims:
                 if sizes[s] != n:
                     problems.append(
-                        (f"outputs[{i}].shape[{axis}]", f"says it follows {s!r} ({s}={sizes[s]}) but the output's size is {n}")
+                        (
+                            f"outputs[{i}].shape[{axis}]",
+                            f"says it follows {s!r} ({s}={sizes[s]}) but the output's size is {n}",
+                        )
                     )
                 row.append(s)
             else:
@@ -114,7 +121,11 @@ def explain_eager_failure(
         except DimBoundError as e:
             at = ", ".join(f"{d}={n}" for d, n in sizes.items())
             raise ProfileError(
-                str(loaded.path), [(place, f"{message}; the eager sample at {at} failed with IndexError: {cause}") for place, message in e.problems]
+                str(loaded.path),
+                [
+                    (place, f"{message}; the eager sample at {at} failed with IndexError: {cause}")
+                    for place, message in e.problems
+                ],
             ) from None
         except ExportError:
             pass
@@ -189,7 +200,9 @@ def pick_outputs(out, keep: list[str | int]):
         missing = [k for k in keep if not isinstance(k, str) or k not in out.keys() or out[k] is None]
         if missing:
             have = ", ".join(k for k in out.keys() if out[k] is not None)
-            raise ModelError(f"model.outputs: forward() returned no {', '.join(map(repr, missing))} (it returned: {have})")
+            raise ModelError(
+                f"model.outputs: forward() returned no {', '.join(map(repr, missing))} (it returned: {have})"
+            )
         return {k: out[k] for k in keep}
     if isinstance(out, (tuple, list)):
         bad = [k for k in keep if not isinstance(k, int) or not -len(out) <= k < len(out)]
@@ -216,7 +229,9 @@ def _parameters(model: torch.nn.Module) -> list[str] | None:
         return None
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return None
-    return [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    return [
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
 
 
 def _load_weights(model: torch.nn.Module, path: Path, source: str) -> None:
