@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: venv venv-bench demo test triton bench bench-quick schema wheels clean
+.PHONY: venv venv-bench demo test lint triton bench bench-quick schema wheels clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,15 @@ demo: venv
 	$(VENV)/bin/precompile build profiles/examples/text_classifier_planned.yaml -o artifacts/text-classifier
 	$(PY) profiles/examples/demo.py artifacts/text-classifier
 
-test: venv triton
+# The checks that take seconds first: ruff (format and lint, [tool.ruff]) and the import contracts
+# ([tool.importlinter]) in pyproject.toml; then the tests, which take minutes. `make lint` alone: the first two.
+test: lint triton
 	$(PY) -m pytest -q tests
+
+lint: venv
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/lint-imports
 
 # A real tritonserver and its Python backend, unpacked from the pinned nvidia-pytriton wheel into
 # .triton/ for tests/test_triton.py (a no-op once fetched).

@@ -29,7 +29,9 @@ def log(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 1 run each, few requests")
-    parser.add_argument("--out", type=Path, help="results folder (default: bench/results, or build/bench-quick with --quick)")
+    parser.add_argument(
+        "--out", type=Path, help="results folder (default: bench/results, or build/bench-quick with --quick)"
+    )
     parser.add_argument("--only", nargs="+", choices=sorted(CASES), help="run only these models")
     parser.add_argument("--runs", type=int, help="cold starts per method (default 3; 1 with --quick)")
     parser.add_argument("--requests", type=int, help="steady-state requests per method (default 500; 30 with --quick)")

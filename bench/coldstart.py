@@ -17,11 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from .cases import ROOT
-from .peers import LABELS, METHODS as PEERS, tolerance
+from .peers import LABELS, tolerance
+from .peers import METHODS as PEERS
 
 # (label, bench.child_cold method, Inductor cache): "fresh" an empty folder, "warm" the folder a cold
 # compile of the same round filled, "mega" an empty folder plus the Mega-Cache file of round 1.
@@ -92,7 +94,13 @@ def start_once(method: str, spec: Path, cache_dir: Path, extra: list[str]) -> di
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     marks = {k: v - start for k, v in report["marks"].items()}
     precision = report.get("precision", "f32")
-    return {"seconds": report["done"] - start, "marks": marks, "error": report["error"], "precision": precision, "tolerance": tolerance(precision)}
+    return {
+        "seconds": report["done"] - start,
+        "marks": marks,
+        "error": report["error"],
+        "precision": precision,
+        "tolerance": tolerance(precision),
+    }
 
 
 def run(spec: Path, work: Path, runs: int, log: Callable[[str], None]) -> tuple[dict[str, Any], Path]:
@@ -127,7 +135,9 @@ def run(spec: Path, work: Path, runs: int, log: Callable[[str], None]) -> tuple[
             ok = "" if sample["error"] <= sample["tolerance"] else f"  WRONG RESULT (error {sample['error']:.1e})"
             log(f"  cold start {r + 1}/{runs} {label:<26} {sample['seconds']:6.2f} s{ok}")
     warm = cold_dir if cold_dir is not None else Path(tempfile.mkdtemp(prefix="inductor-", dir=work))
-    results = {label: {"failed": failed[label]} if label in failed else summarize(runs_) for label, runs_ in samples.items()}
+    results = {
+        label: {"failed": failed[label]} if label in failed else summarize(runs_) for label, runs_ in samples.items()
+    }
     return results, warm
 
 

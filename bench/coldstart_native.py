@@ -99,7 +99,17 @@ def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None) 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env["OMP_WAIT_POLICY"] = "PASSIVE"  # what precompile serve runs with, for every method alike
-    command = [sys.executable, "-m", "bench.coldstart_native", "--child", method, str(artifact), str(case), str(out), onnx or ""]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.coldstart_native",
+        "--child",
+        method,
+        str(artifact),
+        str(case),
+        str(out),
+        onnx or "",
+    ]
     began = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
@@ -149,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
                 runs[method].append(start(method, opts.artifact, case, out, opts.onnx))
                 results[method] = np.load(out)
     reference = results["loader"]
-    checks = {"native": bool(np.array_equal(results["native"], reference) and results["native"].dtype == reference.dtype)}
+    checks = {
+        "native": bool(np.array_equal(results["native"], reference) and results["native"].dtype == reference.dtype)
+    }
     if "onnxruntime" in results:
         scale = float(np.abs(reference).max()) or 1.0
         checks["onnxruntime"] = bool(np.abs(results["onnxruntime"] - reference).max() / scale <= 1e-3)
@@ -159,8 +171,14 @@ def main(argv: list[str] | None = None) -> None:
         "rounds": opts.rounds,
         "methods": {
             m: {
-                "cold_start_s": {"median": statistics.median(r["seconds"] for r in rs), "min": min(r["seconds"] for r in rs)},
-                "peak_rss_mb": {"median": statistics.median(r["rss_mb"] for r in rs), "max": max(r["rss_mb"] for r in rs)},
+                "cold_start_s": {
+                    "median": statistics.median(r["seconds"] for r in rs),
+                    "min": min(r["seconds"] for r in rs),
+                },
+                "peak_rss_mb": {
+                    "median": statistics.median(r["rss_mb"] for r in rs),
+                    "max": max(r["rss_mb"] for r in rs),
+                },
                 "correct": checks.get(m, True),
             }
             for m, rs in runs.items()

@@ -38,8 +38,7 @@ def measure(artifact: str, runners: int, threads: int, lock: bool, seconds: floa
     model.warmup()
     gen = torch.Generator().manual_seed(0)
     calls = [
-        (torch.randint(0, 50, (batch, seq), generator=gen), torch.ones(batch, seq, dtype=torch.bool))
-        for _ in range(8)
+        (torch.randint(0, 50, (batch, seq), generator=gen), torch.ones(batch, seq, dtype=torch.bool)) for _ in range(8)
     ]
     expected = [model(*c) for c in calls]
     guard = threading.Lock()
@@ -92,12 +91,28 @@ def main() -> None:
         for runners, threads, lock in rows:
             env = dict(os.environ, OMP_NUM_THREADS=omp)
             out = subprocess.run(
-                [sys.executable, __file__, args.artifact, "--seconds", str(args.seconds), "--batch", str(args.batch),
-                 "--seq", str(args.seq), "--one", f"{runners},{threads},{lock}"],
-                env=env, capture_output=True, text=True, check=True,
+                [
+                    sys.executable,
+                    __file__,
+                    args.artifact,
+                    "--seconds",
+                    str(args.seconds),
+                    "--batch",
+                    str(args.batch),
+                    "--seq",
+                    str(args.seq),
+                    "--one",
+                    f"{runners},{threads},{lock}",
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
             )
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{omp:>11} {runners:>7} {threads:>7} {'yes' if lock else 'no':>5} {r['calls_per_s']:>9.1f} {r['mismatches']:>10}")
+            print(
+                f"{omp:>11} {runners:>7} {threads:>7} {'yes' if lock else 'no':>5} {r['calls_per_s']:>9.1f} {r['mismatches']:>10}"
+            )
 
 
 if __name__ == "__main__":

@@ -80,7 +80,10 @@ def scenario(artifact: Path, name: str, requests: int) -> dict:
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "precompile", "serve", str(artifact), "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     neighbours = []
     try:
@@ -114,7 +117,13 @@ def scenario(artifact: Path, name: str, requests: int) -> dict:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-    return {"scenario": name, "env": SCENARIOS[name], "quiet_p50_ms": quiet, "contended_p50_ms": busy, "ratio": busy / quiet}
+    return {
+        "scenario": name,
+        "env": SCENARIOS[name],
+        "quiet_p50_ms": quiet,
+        "contended_p50_ms": busy,
+        "ratio": busy / quiet,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,10 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     rows = [scenario(opts.artifact, name, opts.requests) for name in opts.scenarios]
     for r in rows:
-        print(f"{r['scenario']:<11} quiet p50 {r['quiet_p50_ms']:7.2f} ms   beside a torch process and a busy loop "
-              f"{r['contended_p50_ms']:7.2f} ms   ({r['ratio']:.1f}×)")
+        print(
+            f"{r['scenario']:<11} quiet p50 {r['quiet_p50_ms']:7.2f} ms   beside a torch process and a busy loop "
+            f"{r['contended_p50_ms']:7.2f} ms   ({r['ratio']:.1f}×)"
+        )
     opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps({"cpus": os.cpu_count(), "requests": opts.requests, "scenarios": rows}, indent=2) + "\n")
+    opts.out.write_text(
+        json.dumps({"cpus": os.cpu_count(), "requests": opts.requests, "scenarios": rows}, indent=2) + "\n"
+    )
     return 0
 
 

@@ -34,16 +34,19 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the harness reuses the tests' S3 server, Ray cluster and tiny profile
 EXAMPLES = ROOT / "profiles" / "examples"
 
 # The example planned classifier (4 variants: 2 static, 2 dynamic) under the cpu preset's 2 option sets.
-EIGHT_UNITS = (EXAMPLES / "text_classifier_planned.yaml").read_text().replace(
-    "compile:\n  inductor: {freezing: true}", "compile:\n  inductor: {}\n  tune: {preset: cpu}"
+EIGHT_UNITS = (
+    (EXAMPLES / "text_classifier_planned.yaml")
+    .read_text()
+    .replace("compile:\n  inductor: {freezing: true}", "compile:\n  inductor: {}\n  tune: {preset: cpu}")
 )
 assert "preset: cpu" in EIGHT_UNITS, "profiles/examples/text_classifier_planned.yaml changed: update bench/fleet.py"
 
@@ -111,8 +114,12 @@ def units_of(artifact: Path) -> int:
 
 def shard_support() -> str | None:
     """None when `precompile build --shard` and `precompile assemble` exist, else why the row is skipped."""
-    build_help = subprocess.run([sys.executable, "-m", "precompile", "build", "--help"], capture_output=True, text=True).stdout
-    assemble = subprocess.run([sys.executable, "-m", "precompile", "assemble", "--help"], capture_output=True, text=True)
+    build_help = subprocess.run(
+        [sys.executable, "-m", "precompile", "build", "--help"], capture_output=True, text=True
+    ).stdout
+    assemble = subprocess.run(
+        [sys.executable, "-m", "precompile", "assemble", "--help"], capture_output=True, text=True
+    )
     if "--shard" not in build_help or assemble.returncode != 0:
         return "precompile build has no --shard (or there is no precompile assemble) yet: issue 11, part 2"
     return None
@@ -172,11 +179,10 @@ def median_of(repeats: int, run: Callable[[int], float]) -> float:
 
 def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transfer, cold start) against `rclone serve s3` on loopback."""
-    from tests.test_remote import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
-
     from loader import remote
-    from precompile.remote import pull, push
-    from precompile.ship import pack
+    from precompile.ship.pack import pack
+    from precompile.ship.remote import pull, push
+    from tests.test_remote import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
 
     folder = work / "heavy"
     folder.mkdir()
@@ -203,6 +209,7 @@ def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[
     transfer: dict[str, Any] = {"pack_mb": round(size_mb, 1)}
     cold: dict[str, Any] = {}
     try:
+
         def copy(i: int) -> float:
             start = time.perf_counter()
             shutil.copyfile(packed, work / f"copy-{i}.tar.zst")
@@ -230,7 +237,13 @@ def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[
             pull(f"s3://{BUCKET}/push-{i}/heavy", output=work / f"pulled-{i}.tar.zst")
             return time.perf_counter() - start
 
-        for name, run in [("file copy", copy), ("s3 put (raw)", raw_put), ("s3 get (raw)", raw_get), ("precompile push", push_one), ("precompile pull", pull_one)]:
+        for name, run in [
+            ("file copy", copy),
+            ("s3 put (raw)", raw_put),
+            ("s3 get (raw)", raw_get),
+            ("precompile push", push_one),
+            ("precompile pull", pull_one),
+        ]:
             seconds = median_of(repeats, run)
             transfer[name] = {"seconds": round(seconds, 3), "MB_per_s": round(size_mb / seconds, 1)}
             print(f"  {name:<18} {seconds:7.2f} s  {size_mb / seconds:8.1f} MB/s", flush=True)
@@ -240,7 +253,10 @@ def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[
 
         def load(cache: Path) -> dict[str, float]:
             done = subprocess.run(
-                [sys.executable, "-c", COLD_CHILD, url], capture_output=True, text=True, env={**child_env, "PRECOMPILE_CACHE": str(cache)}
+                [sys.executable, "-c", COLD_CHILD, url],
+                capture_output=True,
+                text=True,
+                env={**child_env, "PRECOMPILE_CACHE": str(cache)},
             )
             if done.returncode != 0:
                 raise RuntimeError(f"cold start failed:\n{done.stderr[-3000:]}")
@@ -254,7 +270,10 @@ def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[
         for name, runs in [("first load", firsts), ("cached", cached)]:
             cold[name] = {key: round(statistics.median(r[key] for r in runs), 3) for key in runs[0]}
             row = cold[name]
-            print(f"  cold start {name:<11} load {row['load_s']:6.2f} s, first call {row['first_call_s']:6.3f} s, process {row['total_s']:6.2f} s", flush=True)
+            print(
+                f"  cold start {name:<11} load {row['load_s']:6.2f} s, first call {row['first_call_s']:6.3f} s, process {row['total_s']:6.2f} s",
+                flush=True,
+            )
     finally:
         server.stop()
     return transfer, cold
@@ -262,7 +281,9 @@ def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 1-unit build and a 4 MB pack: checks the harness, not the figures")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 1-unit build and a 4 MB pack: checks the harness, not the figures"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fleet.json")
     parser.add_argument("--mb", type=int, help="size of the transfer artifact's weights [default: 100; --quick: 4]")
     parser.add_argument("--repeats", type=int, help="runs per transfer and cold-start figure [default: 3; --quick: 1]")

@@ -45,23 +45,40 @@ def roberta():
 
 def distilbert():
     T = _seeded_transformers()
-    return T.DistilBertModel(T.DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=37, max_position_embeddings=64))
+    return T.DistilBertModel(
+        T.DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=37, max_position_embeddings=64)
+    )
 
 
 def gpt2():
     T = _seeded_transformers()
-    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0))
+    return T.GPT2LMHeadModel(
+        T.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
+    )
 
 
 def t5():
     T = _seeded_transformers()
-    return T.T5Model(T.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=37, num_layers=1, num_heads=2, decoder_start_token_id=0))
+    return T.T5Model(
+        T.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=37, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    )
 
 
 def bart():
     T = _seeded_transformers()
-    return T.BartModel(T.BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                                    decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64))
+    return T.BartModel(
+        T.BartConfig(
+            vocab_size=100,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=37,
+            decoder_ffn_dim=37,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def clip_text():
@@ -76,7 +93,9 @@ def vit():
 
 def swin():
     T = _seeded_transformers()
-    return T.SwinModel(T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4))
+    return T.SwinModel(
+        T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4)
+    )
 
 
 def resnet():
@@ -86,15 +105,37 @@ def resnet():
 
 def wav2vec2():
     T = _seeded_transformers()
-    return T.Wav2Vec2Model(T.Wav2Vec2Config(hidden_size=32, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
-                                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, **SMALL))
+    return T.Wav2Vec2Model(
+        T.Wav2Vec2Config(
+            hidden_size=32,
+            conv_dim=(16, 16),
+            conv_stride=(5, 2),
+            conv_kernel=(10, 3),
+            num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2,
+            **SMALL,
+        )
+    )
 
 
 def whisper_encoder():
     T = _seeded_transformers()
-    config = T.WhisperConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                             decoder_attention_heads=2, encoder_ffn_dim=37, decoder_ffn_dim=37, num_mel_bins=16, max_source_positions=16,
-                             pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)
+    config = T.WhisperConfig(
+        vocab_size=100,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        num_mel_bins=16,
+        max_source_positions=16,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        decoder_start_token_id=0,
+    )
     return T.WhisperModel(config).get_encoder()
 
 
@@ -105,8 +146,14 @@ CASES = {
     "distilbert": ("encoder", ["input_ids=2x8:int64 attention_mask=2x8:int64", "input_ids=3x12 attention_mask=3x12"]),
     "gpt2": ("decoder", ["input_ids=2x8:int64", "input_ids=3x12"]),
     "clip_text": ("encoder (text tower)", ["input_ids=2x8:int64", "input_ids=3x12"]),
-    "t5": ("encoder-decoder", ["input_ids=2x8:int64 decoder_input_ids=2x4:int64", "input_ids=3x12 decoder_input_ids=3x6"]),
-    "bart": ("encoder-decoder", ["input_ids=2x8:int64 decoder_input_ids=2x4:int64", "input_ids=3x12 decoder_input_ids=3x6"]),
+    "t5": (
+        "encoder-decoder",
+        ["input_ids=2x8:int64 decoder_input_ids=2x4:int64", "input_ids=3x12 decoder_input_ids=3x6"],
+    ),
+    "bart": (
+        "encoder-decoder",
+        ["input_ids=2x8:int64 decoder_input_ids=2x4:int64", "input_ids=3x12 decoder_input_ids=3x6"],
+    ),
     "vit": ("vision", ["pixel_values=2x3x32x32", "pixel_values=3x3x32x32"]),
     "swin": ("vision", ["pixel_values=2x3x32x32", "pixel_values=3x3x32x32"]),
     "resnet": ("vision (conv)", ["pixel_values=2x3x32x32", "pixel_values=3x3x48x40"]),
@@ -117,11 +164,11 @@ CASES = {
 
 def run_case(name: str, folder: Path) -> dict:
     import loader
-    from precompile.build import build
-    from precompile.init import init_profile, parse_examples
+    from precompile.authoring.init import init_profile, parse_examples
+    from precompile.pipeline import build
     from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
     from precompile.samples import make_inputs
+    from precompile.stages.resolve import resolve_model
 
     kind, examples = CASES[name]
     row = {"model": name, "kind": kind, "stage": "init"}
@@ -144,7 +191,11 @@ def run_case(name: str, folder: Path) -> dict:
         with torch.no_grad():
             want = eager(*args)
         got = model(*args)
-        flat = lambda v: [v] if isinstance(v, torch.Tensor) else [t for x in (v.values() if isinstance(v, dict) else v) for t in flat(x)]
+        flat = lambda v: (
+            [v]
+            if isinstance(v, torch.Tensor)
+            else [t for x in (v.values() if isinstance(v, dict) else v) for t in flat(x)]
+        )
         for w, g in zip(flat(want), flat(got)):
             torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
         row["stage"], row["ok"] = "done", True
@@ -168,7 +219,9 @@ def main(names: list[str]) -> None:
             status = "ok" if row["ok"] else f"FAILED at {row['stage']}: {row['error'].splitlines()[0][:160]}"
             print(f"{name:<16} {row['kind']:<22} {row['seconds']:6.1f} s  {row.get('dims', {})}  {status}", flush=True)
     ok = sum(r["ok"] for r in rows)
-    print(f"\n{ok} of {len(rows)} model kinds went from `precompile init` to a built, matching artifact with no hand edit")
+    print(
+        f"\n{ok} of {len(rows)} model kinds went from `precompile init` to a built, matching artifact with no hand edit"
+    )
     out = Path(__file__).parent / "results" / "init_survey.json"
     out.write_text(json.dumps({"torch": torch.__version__, "ok": ok, "total": len(rows), "rows": rows}, indent=2))
 

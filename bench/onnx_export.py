@@ -2,7 +2,7 @@
 
 ``torch.onnx.export(model, args, dynamo=True, dynamic_shapes=...)`` with one ``Dim`` per profile dim,
 named as the profile names it (so the ONNX inputs say ``batch``, ``seq``…), and example sizes from
-``precompile.export.export_hints`` (≥ 2 and distinct, as our own export uses). A model that does not
+``precompile.tracing.export_hints`` (≥ 2 and distinct, as our own export uses). A model that does not
 export is not an error of the benchmark: the result says why, and the peers are reported as failed.
 """
 
@@ -14,14 +14,15 @@ import re
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.export import Dim
 
-from precompile.export import export_hints
 from precompile.profile import Profile
+from precompile.tracing import export_hints
 
 from .workload import inputs_for
 
@@ -61,13 +62,23 @@ def export_onnx(model: torch.nn.Module, profile: Profile, path: Path) -> dict[st
         with warnings.catch_warnings(), quiet("torch.onnx", "onnxscript"), torch.no_grad():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                model, args, dynamo=True, dynamic_shapes=dynamic_shapes(profile), input_names=list(profile.inputs), verbose=False
+                model,
+                args,
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes(profile),
+                input_names=list(profile.inputs),
+                verbose=False,
             )
             program.save(str(path))
     except Exception as e:  # torch.export and the ONNX translation raise many types: each one is a failed peer
         path.with_suffix(".log").write_text(traceback.format_exc(), encoding="utf-8")
         return {"failed": failure(e), "seconds": time.perf_counter() - start}
-    return {"path": str(path), "seconds": time.perf_counter() - start, "bytes": path.stat().st_size, "example_sizes": hint}
+    return {
+        "path": str(path),
+        "seconds": time.perf_counter() - start,
+        "bytes": path.stat().st_size,
+        "example_sizes": hint,
+    }
 
 
 def failure(e: BaseException) -> str:

@@ -75,7 +75,9 @@ def measure_python_path(model: loader.CompiledModel, args: tuple, rounds: int = 
     return statistics.median(per_call_us(lambda: stub(*args), calls) for _ in range(rounds))
 
 
-def measure_value_guard(model: loader.CompiledModel, args: tuple, rounds: int = 15, calls: int = 2000) -> dict[str, float]:
+def measure_value_guard(
+    model: loader.CompiledModel, args: tuple, rounds: int = 15, calls: int = 2000
+) -> dict[str, float]:
     """The guards alone, as loaded and with every value range removed: the difference is the value guard."""
     m = model.manifest
     bare = InputGuard([dataclasses.replace(spec, range=None) for spec in m.inputs], m.dims, torch.device(model.device))
@@ -100,7 +102,7 @@ def main() -> None:
     torch.set_num_threads(1)
     path = opts.artifact
     if path is None:
-        from precompile.build import build
+        from precompile.pipeline import build
 
         path = build(ROOT / "profiles/examples/text_classifier.yaml", Path(tempfile.mkdtemp()) / "tc").path
     model = loader.load(path)
@@ -111,13 +113,17 @@ def main() -> None:
     r = measure(model, args, opts.rounds, calls)
     v = measure_value_guard(model, args, opts.rounds, 2000)
     path_us = measure_python_path(model, args, opts.rounds, 2000)
-    print(f"artifact {path}, variant {r['variant']}, input [{opts.batch}, {opts.seq}], {calls} calls × {opts.rounds} rounds")
+    print(
+        f"artifact {path}, variant {r['variant']}, input [{opts.batch}, {opts.seq}], {calls} calls × {opts.rounds} rounds"
+    )
     print(f"raw runner      {r['raw_us']:8.1f} µs/call")
     print(f"loader.load()() {r['loader_us']:8.1f} µs/call")
     print(f"overhead        {r['overhead_us']:8.1f} µs/call (guards + dispatch + stats + outputs)")
     print(f"python path     {path_us:8.1f} µs/call (the same, the compiled code replaced by a replay: budget 15 µs)")
     print(f"guards alone    {v['guards_us']:8.1f} µs/call ({v['guards_without_values_us']:.1f} without value ranges)")
-    print(f"value guard     {v['value_guard_us']:8.1f} µs/call (min/max of {', '.join(v['ranged_inputs']) or 'no input'})")
+    print(
+        f"value guard     {v['value_guard_us']:8.1f} µs/call (min/max of {', '.join(v['ranged_inputs']) or 'no input'})"
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ engine's import, and never pays for torch's.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 METHODS = ("onnxruntime", "openvino", "openvino-f32")
 LABELS = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO", "openvino-f32": "OpenVINO (f32)"}

@@ -23,8 +23,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -33,7 +34,13 @@ PROFILES = ROOT / "profiles" / "bench"
 
 SHAPES = {
     # The shapes the issue measured on (batch × tokens).
-    "minilm": [{"batch": 1, "seq": 16}, {"batch": 1, "seq": 64}, {"batch": 4, "seq": 32}, {"batch": 8, "seq": 128}, {"batch": 2, "seq": 100}],
+    "minilm": [
+        {"batch": 1, "seq": 16},
+        {"batch": 1, "seq": 64},
+        {"batch": 4, "seq": 32},
+        {"batch": 8, "seq": 128},
+        {"batch": 2, "seq": 100},
+    ],
     "resnet50": [
         {"batch": 1, "height": 128, "width": 128},
         {"batch": 2, "height": 96, "width": 96},
@@ -102,12 +109,12 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
-    from precompile.build import build
-    from precompile.precision import calibration_inputs
-    from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
-
     import loader
+    from precompile.calibration import calibration_inputs
+    from precompile.pipeline import build
+    from precompile.profile import load_profile
+    from precompile.stages.resolve import resolve_model
+    from precompile.traffic import read_distribution
 
     from .onnx_export import export_onnx
     from .peers import open_engine
@@ -142,14 +149,20 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
     names = list(profile.inputs)
     engines: dict[str, Any] = {}
     if "path" in onnx:
-        for method, label in (("onnxruntime", "ONNX Runtime"), ("openvino", "OpenVINO default"), ("openvino-f32", "OpenVINO f32")):
+        for method, label in (
+            ("onnxruntime", "ONNX Runtime"),
+            ("openvino", "OpenVINO default"),
+            ("openvino-f32", "OpenVINO f32"),
+        ):
             run, facts = open_engine(method, onnx["path"], threads)
             engines[label] = facts
-            methods[f"{label} ({facts['precision']})"] = lambda args, r=run: torch.from_numpy(r({n: t.numpy() for n, t in zip(names, args)})[0])
+            methods[f"{label} ({facts['precision']})"] = lambda args, r=run: torch.from_numpy(
+                r({n: t.numpy() for n, t in zip(names, args)})[0]
+            )
     else:
         log(f"{name}: ONNX export failed, peers skipped: {onnx['failed']}")
 
-    samples = [args for _, args in calibration_inputs(loaded)]
+    samples = [args for _, args in calibration_inputs(loaded, read_distribution(loaded))]
     accuracy = {}
     for label, fn in methods.items():
         accuracy[label] = min(cosine(fn(args), eager(args)) for args in samples)
@@ -185,7 +198,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["minilm", "resnet50"], choices=sorted(SHAPES))
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per method per shape")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "precision.json")
-    parser.add_argument("--write-calibration", action="store_true", help="rewrite profiles/bench/minilm_calibration.jsonl and stop")
+    parser.add_argument(
+        "--write-calibration", action="store_true", help="rewrite profiles/bench/minilm_calibration.jsonl and stop"
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.write_calibration:
@@ -196,14 +211,21 @@ def main() -> None:
         for name in args.models:
             results.append(run_model(name, Path(tmp), args.seconds, lambda s: print(s, flush=True)))
     for r in results:
-        print(f"\n{r['model']}: sum of median ms over {len(r['shapes'])} shapes; min cosine vs fp32 eager on {r['calibration_samples']} calibration inputs")
+        print(
+            f"\n{r['model']}: sum of median ms over {len(r['shapes'])} shapes; min cosine vs fp32 eager on "
+            f"{r['calibration_samples']} calibration inputs"
+        )
         eager = r["total_ms"]["eager fp32"]
         for label, total in sorted(r["total_ms"].items(), key=lambda kv: kv[1]):
-            print(f"  {label:<28} {total:8.1f} ms  {eager / total:5.2f}× eager   cosine {r['min_cosine_vs_eager'][label]:.4f}")
+            print(
+                f"  {label:<28} {total:8.1f} ms  {eager / total:5.2f}× eager   cosine {r['min_cosine_vs_eager'][label]:.4f}"
+            )
     if args.out.exists():  # keep the other models' results from an earlier run
         earlier = json.loads(args.out.read_text()).get("results", [])
         results += [r for r in earlier if r["model"] not in args.models]
-    args.out.write_text(json.dumps({"results": results, "cpu": torch.cpu.get_capabilities().get("cpu_name")}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps({"results": results, "cpu": torch.cpu.get_capabilities().get("cpu_name")}, indent=2) + "\n"
+    )
     print(f"\nwrote {args.out}")
 
 

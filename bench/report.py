@@ -14,13 +14,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .peers import LABELS, METHODS as PEERS, TOLERANCE
+from .peers import LABELS, TOLERANCE
+from .peers import METHODS as PEERS
 from .steady import CHUNK
 
 COLD_CHART = "coldstart.png"
 STEADY_CHART = "steady.png"
 # Cold-start bar colours by the method label's start; the steady chart uses the same per engine.
-COLD_COLORS = (("precompile", "tab:green"), ("eager", "tab:gray"), ("torch.compile", "tab:orange"), ("ONNX", "tab:blue"), ("OpenVINO", "tab:purple"))
+COLD_COLORS = (
+    ("precompile", "tab:green"),
+    ("eager", "tab:gray"),
+    ("torch.compile", "tab:orange"),
+    ("ONNX", "tab:blue"),
+    ("OpenVINO", "tab:purple"),
+)
 
 
 def write_all(results: dict[str, Any], out: Path) -> list[Path]:
@@ -111,7 +118,7 @@ def markdown(results: dict[str, Any]) -> str:
         "dynamo=True, dynamic_shapes=...)` with one dynamic dim per profile dim (the ONNX inputs carry the "
         "profile's dim names), as our build happens before its cold start. ONNX Runtime runs that file on its CPU "
         "execution provider with every graph optimization (ORT_ENABLE_ALL) and as many intra-op threads as "
-        "torch uses; OpenVINO reads the same file (`Core.read_model`, then `compile_model(model, \"CPU\", "
+        'torch uses; OpenVINO reads the same file (`Core.read_model`, then `compile_model(model, "CPU", '
         "config)`) once with its defaults (its own precision, bf16 on a CPU with AMX or AVX-512 BF16, and "
         "its own thread count) and once with `INFERENCE_PRECISION_HINT: f32`. Their cold start is the "
         "interpreter, the engine's import, reading the inputs, reading and optimizing (ORT) or converting "
@@ -138,10 +145,12 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {name} | {c['precompile']['median']:.2f} s | {c['eager']['median']:.2f} s | "
             f"{c['torch.compile cold']['median']:.1f} / {c['torch.compile warm cache']['median']:.1f} / "
             f"{c['torch.compile Mega-Cache']['median']:.1f} s | "
-            + " / ".join(_figure(c.get(LABELS[p]), "median", "{:.2f}") for p in PEERS) + " s | "
+            + " / ".join(_figure(c.get(LABELS[p]), "median", "{:.2f}") for p in PEERS)
+            + " s | "
             f"{st['eager']['p50_ms']:.2f} ms | {st['compile']['p50_ms']:.2f} ms | "
             f"{st['buckets-compile']['p50_ms']:.2f} ms | {st['precompile-planned']['p50_ms']:.2f} ms | "
-            + " / ".join(_figure(st.get(p), "p50_ms", "{:.2f}") for p in PEERS) + " ms |"
+            + " / ".join(_figure(st.get(p), "p50_ms", "{:.2f}") for p in PEERS)
+            + " ms |"
         )
     lines += ["", "## Where we win and where we lose", ""]
     for name, case in results["cases"].items():
@@ -195,7 +204,9 @@ def peer_sentences(name: str, case: dict[str, Any]) -> list[str]:
 
 
 def _speed(ours: float, theirs: float) -> str:
-    return "–" if theirs == ours else f"{ours / theirs:.2f}× faster" if theirs < ours else f"{theirs / ours:.2f}× slower"
+    return (
+        "–" if theirs == ours else f"{ours / theirs:.2f}× faster" if theirs < ours else f"{theirs / ours:.2f}× slower"
+    )
 
 
 def _peers_section(name: str, case: dict[str, Any]) -> list[str]:
@@ -251,7 +262,10 @@ def findings(case: dict[str, Any]) -> list[str]:
         if better:
             out.append(
                 f"Where we lose on {label}: "
-                + ", ".join(f"{name(m)} {st[m][metric]:.2f} ms ({1 - st[m][metric] / planned[metric]:.0%} lower)" for m in better)
+                + ", ".join(
+                    f"{name(m)} {st[m][metric]:.2f} ms ({1 - st[m][metric] / planned[metric]:.0%} lower)"
+                    for m in better
+                )
                 + f" against {planned[metric]:.2f} ms."
             )
     stalls = {m: [t for t in r["latency_ms"] if t > 1000] for m, r in st.items()}
@@ -363,10 +377,16 @@ def _build_table(case: dict[str, Any]) -> list[str]:
     ]
     for name, b in case["builds"].items():
         variants = ", ".join(f"{v['id']} {v['compile_s']:.0f}" for v in b["variants"])
-        lines.append(f"| {name} | {variants} | {b['wall_s']:.0f} | {_mb(b['unpacked_bytes'])} | {_mb(b.get('packed_bytes'))} |")
+        lines.append(
+            f"| {name} | {variants} | {b['wall_s']:.0f} | {_mb(b['unpacked_bytes'])} | {_mb(b.get('packed_bytes'))} |"
+        )
     onnx = case.get("onnx")
     if onnx is not None:
-        done = f"failed: {onnx['failed']}" if "failed" in onnx else f"{_mb(onnx['bytes'])} MB, example sizes {onnx['example_sizes']}"
+        done = (
+            f"failed: {onnx['failed']}"
+            if "failed" in onnx
+            else f"{_mb(onnx['bytes'])} MB, example sizes {onnx['example_sizes']}"
+        )
         lines += ["", f"The peers' ONNX file (`torch.onnx.export`, dynamo=True): {onnx['seconds']:.0f} s, {done}."]
     return lines
 
@@ -392,7 +412,10 @@ def cold_chart(results: dict[str, Any], path: Path) -> Path:
         cold = ran(case["cold_start"])
         labels = [k for k in cold if k != "import torch"]
         med = [cold[k]["median"] for k in labels]
-        err = [[cold[k]["median"] - cold[k]["min"] for k in labels], [cold[k]["max"] - cold[k]["median"] for k in labels]]
+        err = [
+            [cold[k]["median"] - cold[k]["min"] for k in labels],
+            [cold[k]["max"] - cold[k]["median"] for k in labels],
+        ]
         colors = [next(c for start, c in COLD_COLORS if k.startswith(start)) for k in labels]
         ax.barh(labels, med, xerr=err, color=colors, capsize=3)
         floor = cold["import torch"]["median"]
@@ -448,7 +471,15 @@ def steady_chart(results: dict[str, Any], path: Path) -> Path:
         for method, r in ran(case["steady"]).items():
             points = by_work(case["work"], r["latency_ms"])
             color, style = styles.get(method, (None, "-"))
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", markersize=3, color=color, label=method)
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                style,
+                marker="o",
+                markersize=3,
+                color=color,
+                label=method,
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(plain)

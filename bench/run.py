@@ -15,17 +15,18 @@ import platform
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import yaml
 from safetensors.torch import save_file
 
-from precompile.build import build
+from precompile.pipeline import build
 from precompile.profile import load_profile
 from precompile.progress import Progress
-from precompile.resolve import resolve_model
+from precompile.stages.resolve import resolve_model
 
 from . import coldstart, steady
 from .cases import Case, Sizes
@@ -74,7 +75,12 @@ def build_artifact(profile: Path, out: Path, log: Log) -> dict[str, Any]:
         "artifact": str(out),
         "wall_s": wall,
         "variants": [
-            {"id": v.id, "kind": v.kind, "dims": {d: [r.min, r.max] for d, r in v.dims.items()}, "compile_s": result.seconds.get(v.id)}
+            {
+                "id": v.id,
+                "kind": v.kind,
+                "dims": {d: [r.min, r.max] for d, r in v.dims.items()},
+                "compile_s": result.seconds.get(v.id),
+            }
             for v in result.manifest.variants
         ],
         "stages": times.stages,
@@ -129,7 +135,10 @@ def run_case(case: Case, sizes: Sizes, work_dir: Path, log: Log) -> dict[str, An
     model = resolve_model(load_profile(planned_profile)).requires_grad_(False)
     log(f"[{case.name}] ONNX export for the peers (torch.onnx.export, dynamo=True)")
     onnx = export_onnx(model, profile, work_dir / "model.onnx")
-    log(f"    {onnx['seconds']:.1f} s  " + (f"FAILED: {onnx['failed']}" if "failed" in onnx else f"{onnx['bytes'] / 2**20:.1f} MB"))
+    log(
+        f"    {onnx['seconds']:.1f} s  "
+        + (f"FAILED: {onnx['failed']}" if "failed" in onnx else f"{onnx['bytes'] / 2**20:.1f} MB")
+    )
     phase("onnx export")
 
     requests = draw(profile, planned_profile, sizes.requests, seed=1)
@@ -143,13 +152,18 @@ def run_case(case: Case, sizes: Sizes, work_dir: Path, log: Log) -> dict[str, An
 
     log(f"[{case.name}] loader overhead")
     overhead = loader_overhead(builds["planned"]["artifact"], profile, sizes)
-    log(f"    {overhead['select_us']:.1f} µs guards + dispatch; loader {overhead['loader_us']:.1f} µs vs raw runner {overhead['raw_us']:.1f} µs")
+    log(
+        f"    {overhead['select_us']:.1f} µs guards + dispatch; loader {overhead['loader_us']:.1f} µs vs raw runner {overhead['raw_us']:.1f} µs"
+    )
     phase("overhead")
 
     log(f"[{case.name}] steady state, {len(requests)} requests, methods interleaved")
     steady_results = steady.run(spec, work_dir, warm_cache, len(requests), log)
     phase("steady state")
-    log(f"[{case.name}] done in {time.perf_counter() - started:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
+    log(
+        f"[{case.name}] done in {time.perf_counter() - started:.0f} s: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items())
+    )
     return {
         "description": case.description,
         "profile": str(case.profile.relative_to(case.profile.parents[2])),
@@ -189,7 +203,10 @@ def write_spec(case, profile, model, folder: Path, work_dir: Path, builds, onnx,
         case_tensors = {f"in/{n}": t for n, t in zip(names, args)}
         case_tensors["expected"] = model(*args).contiguous()
         save_file(case_tensors, str(work_dir / "cold_case.safetensors"))
-        refs = {f"ref/{i}": model(*inputs_for(profile, s, seed=i)).contiguous() for i, s in enumerate(requests[:CHECKED_REQUESTS])}
+        refs = {
+            f"ref/{i}": model(*inputs_for(profile, s, seed=i)).contiguous()
+            for i, s in enumerate(requests[:CHECKED_REQUESTS])
+        }
         save_file(refs, str(work_dir / "references.safetensors"))
     weights = None
     if not case.weights_in_factory:
@@ -205,7 +222,10 @@ def write_spec(case, profile, model, folder: Path, work_dir: Path, builds, onnx,
         "case_file": str(work_dir / "cold_case.safetensors"),
         "cold_shape": cold_shape,
         "artifact": builds["planned"]["artifact"],
-        "artifacts": {"precompile-planned": builds["planned"]["artifact"], "precompile-dynamic": builds["dynamic"]["artifact"]},
+        "artifacts": {
+            "precompile-planned": builds["planned"]["artifact"],
+            "precompile-dynamic": builds["dynamic"]["artifact"],
+        },
         "onnx": onnx,  # its path, or why the export failed
         "threads": torch.get_num_threads(),  # ONNX Runtime's intra-op threads: as many as torch's
         "profile": str(folder / case.profile.name),

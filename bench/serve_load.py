@@ -54,8 +54,16 @@ CASES = {  # the request every client sends: MiniLM's short sentence, ResNet-50'
     "resnet50": {"batch": 1, "height": 128, "width": 128},
 }
 ARRAY_CODES = {"int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint8": "B", "float32": "f", "float64": "d"}
-DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
-             "float32": "FP32", "float64": "FP64"}
+DATATYPES = {
+    "bool": "BOOL",
+    "uint8": "UINT8",
+    "int8": "INT8",
+    "int16": "INT16",
+    "int32": "INT32",
+    "int64": "INT64",
+    "float32": "FP32",
+    "float64": "FP64",
+}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
@@ -80,7 +88,14 @@ def infer_request(manifest: dict, sizes: dict[str, int], port: int) -> bytes:
         else:
             lo, hi = spec.get("range", [0, 0])
             data = array(ARRAY_CODES[dtype], (lo + (i * 7) % (hi - lo + 1) for i in range(n))).tobytes()
-        header["inputs"].append({"name": spec["name"], "shape": shape, "datatype": DATATYPES[dtype], "parameters": {"binary_data_size": len(data)}})
+        header["inputs"].append(
+            {
+                "name": spec["name"],
+                "shape": shape,
+                "datatype": DATATYPES[dtype],
+                "parameters": {"binary_data_size": len(data)},
+            }
+        )
         raw.append(data)
     head = json.dumps(header).encode()
     body = head + b"".join(raw)
@@ -101,7 +116,9 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
     return status
 
 
-async def _clients(port: int, request: bytes, tasks: int, budget: int, start_at: float, stop_at: float, warmup: int) -> dict:
+async def _clients(
+    port: int, request: bytes, tasks: int, budget: int, start_at: float, stop_at: float, warmup: int
+) -> dict:
     latencies: list[float] = []
     errors = [0]
     left = [budget]
@@ -136,7 +153,9 @@ def _own_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def client_process(port: int, request: bytes, tasks: int, budget: int, start_at: float, stop_at: float, warmup: int, out) -> None:
+def client_process(
+    port: int, request: bytes, tasks: int, budget: int, start_at: float, stop_at: float, warmup: int, out
+) -> None:
     out.put(asyncio.run(_clients(port, request, tasks, budget, start_at, stop_at, warmup)))
 
 
@@ -151,7 +170,10 @@ def run_level(
     stop_at = start_at + seconds
     shares = [concurrency // procs + (1 if k < concurrency % procs else 0) for k in range(procs)]
     workers = [
-        ctx.Process(target=client_process, args=(port, request, n, max(1, requests * n // concurrency), start_at, stop_at, warmup, out))
+        ctx.Process(
+            target=client_process,
+            args=(port, request, n, max(1, requests * n // concurrency), start_at, stop_at, warmup, out),
+        )
         for n in shares
     ]
     for w in workers:
@@ -177,7 +199,9 @@ def run_level(
         "client_procs": procs,
         "client_cpu_s": sum(r["cpu_s"] for r in results),
         "client_cores": sum(r["cpu_s"] for r in results) / wall if wall > 0 else None,
-        "server_cores": (server1 - server0) / wall if server0 is not None and server1 is not None and wall > 0 else None,
+        "server_cores": (server1 - server0) / wall
+        if server0 is not None and server1 is not None and wall > 0
+        else None,
     }
 
 
@@ -190,17 +214,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(kind: str, artifact: Path, profile: Path, port: int, batch_args: list[str], workers: int = 1) -> subprocess.Popen:
+def start_server(
+    kind: str, artifact: Path, profile: Path, port: int, batch_args: list[str], workers: int = 1
+) -> subprocess.Popen:
     from precompile.serve.server import serving_env
 
     workers = workers if kind == "precompile" else 1  # the eager server is one process
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **serving_env(workers)}
     if kind == "precompile":
-        command = [sys.executable, "-m", "precompile", "serve", str(artifact), "--port", str(port), "--log-level", "warning",
-                   "--workers", str(workers), *batch_args]
+        command = [
+            sys.executable,
+            "-m",
+            "precompile",
+            "serve",
+            str(artifact),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--workers",
+            str(workers),
+            *batch_args,
+        ]
     else:
-        command = [sys.executable, "-m", "bench.serve_load", "--eager-server", str(artifact), "--profile", str(profile),
-                   "--port", str(port), "--serve-args", " ".join(batch_args)]
+        command = [
+            sys.executable,
+            "-m",
+            "bench.serve_load",
+            "--eager-server",
+            str(artifact),
+            "--profile",
+            str(profile),
+            "--port",
+            str(port),
+            "--serve-args",
+            " ".join(batch_args),
+        ]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -234,7 +283,10 @@ def scrape(base: str) -> dict[str, float]:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r'^(precompile_batch_size_(?:count|sum)|precompile_batch_size_bucket\{le="([^"]+)"\}|precompile_requests_total\{code="200"\}) (\S+)$', line)
+        m = re.match(
+            r'^(precompile_batch_size_(?:count|sum)|precompile_batch_size_bucket\{le="([^"]+)"\}|precompile_requests_total\{code="200"\}) (\S+)$',
+            line,
+        )
         if m:
             key = f"le={m.group(2)}" if m.group(2) else m.group(1).split("{")[0]
             out[key] = float(m.group(3))
@@ -278,7 +330,9 @@ def batches_between(before: dict, after: dict, batching: bool) -> dict:
     return {"batches": int(count), "mean_batch": rows / count if count else None, "batch_sizes": sizes}
 
 
-def run_server(kind: str, batching: bool, artifact: Path, profile: Path, manifest: dict, sizes: dict, args) -> list[dict]:
+def run_server(
+    kind: str, batching: bool, artifact: Path, profile: Path, manifest: dict, sizes: dict, args
+) -> list[dict]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     batch_args = ["--batch", "--max-delay-ms", str(args.max_delay_ms)] if batching else []
@@ -293,7 +347,11 @@ def run_server(kind: str, batching: bool, artifact: Path, profile: Path, manifes
             before = scrape(base)
             level = run_level(port, server.pid, request, c, args.client_procs, args.requests, args.seconds, args.warmup)
             level.update(batches_between(before, scrape(base), batching))
-            row = {"server": kind + (" --batch" if batching else ""), "workers": args.workers if kind == "precompile" else 1, **level}
+            row = {
+                "server": kind + (" --batch" if batching else ""),
+                "workers": args.workers if kind == "precompile" else 1,
+                **level,
+            }
             rows.append(row)
             print(format_row(row), flush=True)
     finally:
@@ -312,11 +370,11 @@ def eager_server(artifact: str, profile: str, port: int, serve_args: str) -> Non
 
     import loader.model
     from loader.artifact import read_manifest
-    from precompile.check import flatten
+    from loader.outputs import flatten
     from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
     from precompile.serve.app import create_app
     from precompile.serve.config import ServeConfig
+    from precompile.stages.resolve import resolve_model
 
     module = resolve_model(load_profile(profile)).eval().requires_grad_(False)
     manifest = read_manifest(Path(artifact))
@@ -358,15 +416,17 @@ def format_row(r: dict) -> str:
     server = f"{r['server_cores']:.2f}" if r.get("server_cores") is not None else "-"
     p50 = f"{r['p50_ms']:.1f}" if r["p50_ms"] is not None else "-"
     p99 = f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-"
-    return (f"  {r['server']:<20} {r['concurrency']:>4} {r['rps']:>8.1f} {p50:>8} {p99:>8} {batch:>6} "
-            f"{client:>7} {server:>7} {r['requests']:>7} {r['errors']:>4}")
+    return (
+        f"  {r['server']:<20} {r['concurrency']:>4} {r['rps']:>8.1f} {p50:>8} {p99:>8} {batch:>6} "
+        f"{client:>7} {server:>7} {r['requests']:>7} {r['errors']:>4}"
+    )
 
 
 HEADER = f"  {'server':<20} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} {'client':>7} {'server':>7} {'reqs':>7} {'err':>4}"
 
 
 def build_case(case: str, work: Path) -> tuple[Path, Path]:
-    from precompile.build import build
+    from precompile.pipeline import build
 
     profile = PROFILES / f"{case}.yaml"
     out = work / case / "artifact"
@@ -382,33 +442,50 @@ def target_line(rows: list[dict]) -> str | None:
     by = {(r["server"], r["concurrency"]): r for r in rows}
     plain16, batched16 = by.get(("precompile", 16)), by.get(("precompile --batch", 16))
     plain1, batched1 = by.get(("precompile", 1)), by.get(("precompile --batch", 1))
-    if not (plain16 and batched16 and plain1 and batched1) or not plain16["rps"] or not plain1["p99_ms"] or batched1["p99_ms"] is None:
+    if (
+        not (plain16 and batched16 and plain1 and batched1)
+        or not plain16["rps"]
+        or not plain1["p99_ms"]
+        or batched1["p99_ms"] is None
+    ):
         return None
     speedup = batched16["rps"] / plain16["rps"]
     p99 = batched1["p99_ms"] / plain1["p99_ms"]  # what batching costs a lone client
     met = speedup >= 3 and p99 <= 2
-    return (f"target: with 16 clients --batch serves {speedup:.2f}× the unbatched req/s (want ≥ 3×); at concurrency 1 "
-            f"its p99 is {p99:.2f}× the unbatched p99 (want ≤ 2×): {'met' if met else 'NOT met'}")
+    return (
+        f"target: with 16 clients --batch serves {speedup:.2f}× the unbatched req/s (want ≥ 3×); at concurrency 1 "
+        f"its p99 is {p99:.2f}× the unbatched p99 (want ≤ 2×): {'met' if met else 'NOT met'}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--case", nargs="+", choices=sorted(CASES), default=["minilm", "resnet50"])
-    parser.add_argument("--artifact", type=Path, help="serve this artifact instead of building a case (needs --profile, --shape)")
+    parser.add_argument(
+        "--artifact", type=Path, help="serve this artifact instead of building a case (needs --profile, --shape)"
+    )
     parser.add_argument("--profile", type=Path, help="the profile the artifact was built from (its eager module)")
     parser.add_argument("--shape", help="the request's dims, e.g. batch=1,seq=16 (default: the case's)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests", type=int, default=4000, help="at most this many timed requests per level")
     parser.add_argument("--seconds", type=float, default=20.0, help="at most this long per level")
     parser.add_argument("--warmup", type=int, default=3, help="untimed requests per client before each level")
-    parser.add_argument("--client-procs", type=int, default=2, help="load generator processes (clients spread over them)")
+    parser.add_argument(
+        "--client-procs", type=int, default=2, help="load generator processes (clients spread over them)"
+    )
     parser.add_argument("--max-delay-ms", type=float, default=2.0)
     parser.add_argument("--max-batch", type=int)
-    parser.add_argument("--workers", type=int, default=1, help="precompile serve --workers (the eager server is one process)")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="precompile serve --workers (the eager server is one process)"
+    )
     parser.add_argument("--servers", nargs="+", default=["precompile", "precompile --batch", "eager", "eager --batch"])
-    parser.add_argument("--work", type=Path, default=ROOT / "bench" / "work" / "serve_load", help="where cases are built")
+    parser.add_argument(
+        "--work", type=Path, default=ROOT / "bench" / "work" / "serve_load", help="where cases are built"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_load.json")
-    parser.add_argument("--smoke", action="store_true", help="a check of the harness: concurrency 1 and 4, 2 s per level")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a check of the harness: concurrency 1 and 4, 2 s per level"
+    )
     parser.add_argument("--eager-server", help=argparse.SUPPRESS)  # internal: run the eager server for this artifact
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-args", default="", help=argparse.SUPPRESS)
@@ -421,11 +498,20 @@ def main() -> None:
     if args.artifact is not None and (args.profile is None or args.shape is None):
         parser.error("--artifact needs --profile and --shape")
 
-    cases = [("custom", args.artifact, args.profile)] if args.artifact else [(c, *build_case(c, args.work)) for c in args.case]
+    cases = (
+        [("custom", args.artifact, args.profile)]
+        if args.artifact
+        else [(c, *build_case(c, args.work)) for c in args.case]
+    )
     report = {
         "machine": {"cores": os.cpu_count(), "platform": sys.platform, "python": sys.version.split()[0]},
         "load_generator": "bench/serve_load.py: closed-loop asyncio clients, plain HTTP/1.1 keep-alive, OIP binary tensors",
-        "settings": {k: v for k, v in vars(args).items() if k in ("concurrency", "requests", "seconds", "warmup", "client_procs", "max_delay_ms", "max_batch", "workers")},
+        "settings": {
+            k: v
+            for k, v in vars(args).items()
+            if k
+            in ("concurrency", "requests", "seconds", "warmup", "client_procs", "max_delay_ms", "max_batch", "workers")
+        },
         "cases": {},
     }
     for name, artifact, profile in cases:

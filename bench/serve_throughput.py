@@ -44,7 +44,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--serve-args", default="", help="more options for precompile serve, e.g. '--batch --max-batch 8'")
+    parser.add_argument(
+        "--serve-args", default="", help="more options for precompile serve, e.g. '--batch --max-batch 8'"
+    )
     args = parser.parse_args()
     import json
     from pathlib import Path
@@ -63,9 +65,22 @@ def main() -> None:
             port = s.getsockname()[1]
         base = f"http://127.0.0.1:{port}"
         server = subprocess.Popen(
-            [sys.executable, "-m", "precompile", "serve", args.artifact, "--port", str(port), "--workers", str(workers),
-             "--log-level", "warning", *args.serve_args.split()],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "precompile",
+                "serve",
+                args.artifact,
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+                "--log-level",
+                "warning",
+                *args.serve_args.split(),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             deadline = time.monotonic() + 120

@@ -13,12 +13,14 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from .cases import ROOT
 from .child_steady import METHODS
 from .coldstart import ChildFailed, child_env, peer_failure, unrunnable_peers
+
 CHUNK = 25
 
 
@@ -46,7 +48,11 @@ class Server:
         if not line:
             self.proc.wait()
             self._stderr.close()
-            raise ChildFailed(f"steady state {self.method}", self.proc.returncode, self.stderr_path.read_text(encoding="utf-8", errors="replace"))
+            raise ChildFailed(
+                f"steady state {self.method}",
+                self.proc.returncode,
+                self.stderr_path.read_text(encoding="utf-8", errors="replace"),
+            )
         return json.loads(line)
 
     def _send(self, command: dict[str, Any]) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import yaml
 
-from precompile.plan import read_distribution
 from precompile.profile import LoadedProfile, Profile
 from precompile.samples import make_inputs
+from precompile.traffic import read_distribution
 
 Shape = dict[str, int]
 

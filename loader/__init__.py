@@ -11,12 +11,25 @@ This package imports torch, the standard library and nothing of the build side; 
 ``import loader`` itself imports neither torch nor numpy: the names that need torch (``load``,
 ``CompiledModel``, batching, hot swap) import it when first used, and ``load_native`` only numpy.
 Reading a pack imports ``zstandard`` and checking a signature ``cryptography``, each only then.
+
+Imported before torch, it sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment says otherwise
+(see ``loader.threads``).
 """
 
 from __future__ import annotations
 
 import importlib
+import os as _os
+import sys as _sys
 from typing import Any
+
+from .constants import WAIT_POLICY_ENV as _WAIT_POLICY_ENV
+
+# OpenMP reads its wait policy once, when torch loads it: before that, the policy that keeps a shared
+# host fair (idle threads sleep instead of spinning beside other work; `precompile serve` sets the
+# same) can still be chosen. The user's own setting wins; after torch, load() warns instead.
+if "torch" not in _sys.modules:
+    _os.environ.setdefault(_WAIT_POLICY_ENV, "PASSIVE")
 
 from .errors import ArtifactError, GuardError, IncompatibleArtifactError, LoaderError
 from .manifest import Manifest, parse_manifest

@@ -39,7 +39,9 @@ class Signature:
         return tuple(p.name for p in self.params)
 
     def __str__(self) -> str:
-        return f"{self.method}({', '.join(p.name + ('' if p.default is None else '=' + p.default) for p in self.params)})"
+        return (
+            f"{self.method}({', '.join(p.name + ('' if p.default is None else '=' + p.default) for p in self.params)})"
+        )
 
 
 def parse_signatures(method: str, doc: str | None) -> list[Signature]:
@@ -84,7 +86,7 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def signatures() -> dict[str, tuple[Signature, ...]]:
     """This torch's forms of the package loader's methods, read once from the binding's docstrings."""
     cls = torch._C._aoti.AOTIModelPackageLoader

@@ -6,8 +6,8 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Collection
 from pathlib import Path
-from typing import Collection
 
 from . import constants as C
 from .errors import ArtifactError

@@ -45,9 +45,10 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -313,7 +314,8 @@ class Batcher:
             model_stats["batching"] = {
                 "requests": self._requests,
                 "request_shapes": [
-                    {"dims": dict(key), "count": n} for key, n in sorted(self._request_shapes.items(), key=lambda kv: (-kv[1], kv[0]))
+                    {"dims": dict(key), "count": n}
+                    for key, n in sorted(self._request_shapes.items(), key=lambda kv: (-kv[1], kv[0]))
                 ],
                 "batches": self._batches,
                 "batch_sizes": {str(s): n for s, n in sorted(self._sizes.items())},

@@ -8,7 +8,8 @@ thread (the rules are in the module docstring of ``loader.batch``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -189,7 +189,9 @@ class Cache:
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f"{head.digest}.", dir=self.tmp_dir))
         except OSError as e:
-            raise LoaderError(f"{self.tmp_dir}: cannot unpack here ({e.strerror}); set {C.CACHE_ENV} to a writable folder") from None
+            raise LoaderError(
+                f"{self.tmp_dir}: cannot unpack here ({e.strerror}); set {C.CACHE_ENV} to a writable folder"
+            ) from None
         try:
             unpacked = unpack(head.path, tmp)
             if unpacked.digest != head.digest:
@@ -214,7 +216,9 @@ class Cache:
             remove_tree(tmp)
             raise
         try:
-            write_atomic(self._verified_path(head.digest), json.dumps({"digest": head.digest, "files": identities}).encode())
+            write_atomic(
+                self._verified_path(head.digest), json.dumps({"digest": head.digest, "files": identities}).encode()
+            )
         except OSError:
             pass
 

@@ -14,8 +14,12 @@ FORMAT_VERSION = 1
 
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
+REFERENCES_FILE = "references.safetensors"  # a small input/output pair per variant, for `precompile verify --run`
 VARIANTS_DIR = "variants"
 VARIANT_SUFFIX = ".pt2"
+
+# The OpenMP runtime's wait policy variable, read once when torch loads it (loader.threads).
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 
 # Inside an AOTInductor package the compiled model is stored under this name.
 AOTI_MODEL_NAME = "model"
@@ -43,7 +47,7 @@ INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 DEVICES = ("cpu", "cuda")
 
 VARIANT_KINDS = ("static", "dynamic")
-# Precisions a CPU variant may compute in (fp32: the model as written; bf16, int8: see precompile.precision).
+# Precisions a CPU variant may compute in (fp32: the model as written; bf16, int8: see precompile.stages.quantize).
 PRECISIONS = ("fp32", "bf16", "int8")
 
 # --- shipping: signature, pack, cache ------------------------------------------------------------

@@ -126,7 +126,9 @@ def cuda_problems(cuda: CudaInfo | None, index: int, facts: CudaFacts) -> list[s
     if cuda is None:
         return ["device: the artifact has no CUDA variants; load it with device='cpu' or rebuild with target: cuda"]
     if facts.torch_cuda is None:
-        return [f"cuda: this torch is a CPU-only build; the artifact needs torch with CUDA (built with CUDA {cuda.torch_cuda})"]
+        return [
+            f"cuda: this torch is a CPU-only build; the artifact needs torch with CUDA (built with CUDA {cuda.torch_cuda})"
+        ]
     if not facts.capabilities:
         return ["cuda: no CUDA GPU is visible on this host (check the driver and CUDA_VISIBLE_DEVICES)"]
     if index >= len(facts.capabilities):

@@ -18,7 +18,7 @@ from typing import Any
 from .errors import GuardError
 from .manifest import Manifest, Variant
 from .outputs import unflatten
-from .policy import ArrayOps, Policies
+from .policy import ArrayOps, Plan, Policies
 from .precision import Choice
 from .shapes import ShapeGuard
 from .weights import MappedWeights
@@ -81,7 +81,9 @@ class ServedModel:
                 dynamic.append(v)
         # Tightest range first, so a call lands on the most specific variant that holds it.
         dynamic.sort(key=lambda v: _volume(v))
-        return static, [(v, runners[v.id], [(d, v.dims[d].min, v.dims[d].max) for d in self._dim_order]) for v in dynamic]
+        return static, [
+            (v, runners[v.id], [(d, v.dims[d].min, v.dims[d].max) for d in self._dim_order]) for v in dynamic
+        ]
 
     @property
     def name(self) -> str:
@@ -96,9 +98,13 @@ class ServedModel:
     def input_names(self) -> tuple[str, ...]:
         return self._guard.names
 
-    def select(self, *args: Any, **kwargs: Any) -> Variant:
-        """The variant a call with these inputs would run on (checks the guards, runs nothing)."""
+    def select(self, *args: Any, **kwargs: Any) -> Variant | Plan:
+        """The variant a call with these inputs would run on, or for a call that a pad or split policy
+        serves, the policy's ``Plan`` (its pieces and the variant of each; ``id`` as ``call_detailed``
+        reports it). Checks the guards, runs nothing; raises the GuardError the call would raise."""
         tensors, sizes = self._guard.check(args, kwargs)
+        if self._policies is not None and self._policies.needed(sizes):
+            return self._policies.plan(sizes, lambda s: self._dispatch(s)[0])
         return self._dispatch(sizes)[0]
 
     def check(self, *args: Any, **kwargs: Any) -> tuple[list, dict[str, int], Variant | None]:
@@ -114,7 +120,9 @@ class ServedModel:
         """Run one named variant, bypassing dispatch (for checks); its ranges are still guarded."""
         variant = next((v for v in self._variants if v.id == variant_id), None)
         if variant is None:
-            raise GuardError(f"no variant {variant_id!r} (variants: {', '.join(v.id for v in self.variants)})", reason="no_variant")
+            raise GuardError(
+                f"no variant {variant_id!r} (variants: {', '.join(v.id for v in self.variants)})", reason="no_variant"
+            )
         tensors, sizes = self._guard.check(args, kwargs)
         for d, r in variant.dims.items():
             if sizes[d] not in r:
@@ -208,7 +216,11 @@ class ServedModel:
         """Valid inputs at ``variant``'s hint shape (for warm-up and probes), each filled with its
         smallest valid value (0 may be outside an integer input's range)."""
         return [
-            self._full([variant.hint[s] if isinstance(s, str) else s for s in spec.shape], spec.range.min if spec.range is not None else 0, spec.dtype)
+            self._full(
+                [variant.hint[s] if isinstance(s, str) else s for s in spec.shape],
+                spec.range.min if spec.range is not None else 0,
+                spec.dtype,
+            )
             for spec in self.manifest.inputs
         ]
 
@@ -234,7 +246,9 @@ class ServedModel:
                 else:
                     return v, runner
         shape = ", ".join(f"{d}={sizes[d]}" for d in self._dim_order)
-        covered = "; ".join(f"{v.id}: " + ", ".join(f"{d} {v.dims[d]}" for d in self._dim_order) for v in self._variants)
+        covered = "; ".join(
+            f"{v.id}: " + ", ".join(f"{d} {v.dims[d]}" for d in self._dim_order) for v in self._variants
+        )
         raise GuardError(f"no compiled variant covers {shape} (variants: {covered})", reason="no_variant")
 
 

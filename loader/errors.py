@@ -1,5 +1,10 @@
 """The loader's exceptions. Every failure a caller can cause or a file can contain is one of these."""
 
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
 
 class LoaderError(Exception):
     """Base of every error the loader raises on purpose."""
@@ -43,3 +48,14 @@ def first_line(e: BaseException, *, limit: int | None = None) -> str:
     text = str(e).strip()
     line = text.splitlines()[0] if text else type(e).__name__
     return line if limit is None else line[:limit]
+
+
+def import_extra(module: str, needed_for: str) -> ModuleType:
+    """Import ``module`` of the ``packs`` extra (zstandard, cryptography), which the runtime alone
+    leaves out, or raise a LoaderError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise LoaderError(
+            f"{needed_for} needs {module}, which is not installed: pip install 'precompile[packs]'"
+        ) from None

@@ -7,9 +7,9 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from .errors import InsecurePathError
 
@@ -143,6 +143,18 @@ def seal(root: Path) -> None:
         if folder != str(root):
             os.chmod(folder, 0o555)
         fsync_dir(Path(folder))
+
+
+def open_to_readers(root: Path) -> None:
+    """Give every folder and file under ``root`` (and ``root``) the mode a new one gets from the umask:
+    0755 and 0644 under the usual 022, so a service user can read an artifact a CI user wrote.
+    Temporary folders start 0700 and some writers make 0600 files; ``umask 077`` keeps them private."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for folder, _, files in os.walk(root):
+        os.chmod(folder, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o666 & ~mask)
 
 
 def make_read_only(folder: Path) -> None:

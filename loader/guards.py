@@ -9,7 +9,8 @@ attribute reads and comparisons, plus one min/max pass over each integer input w
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -55,7 +56,9 @@ class InputGuard(ShapeGuard):
         self.device = device
         self.copy_inputs = copy_inputs  # move inputs on another device instead of refusing them
         # Per input: (name, dtype, ndim, [(axis, static size or None, dim name or None)], value range or None)
-        self._plan = [(name, TORCH_DTYPES[dtype], ndim, axes, values) for name, dtype, ndim, axes, values in self.input_plan()]
+        self._plan = [
+            (name, TORCH_DTYPES[dtype], ndim, axes, values) for name, dtype, ndim, axes, values in self.input_plan()
+        ]
 
     def check(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list, dict[str, int]]:
         tensors = self.bind(args, kwargs)
@@ -67,7 +70,9 @@ class InputGuard(ShapeGuard):
             if t.layout is not torch.strided or t.is_nested or t.is_meta or t.is_neg() or t.is_conj() or t.is_quantized:
                 raise _not_memory(name, t)
             if t.dtype is not dtype:
-                raise GuardError(f"input {name!r}: dtype is {_dt(t.dtype)}, the artifact needs {_dt(dtype)}", reason="dtype")
+                raise GuardError(
+                    f"input {name!r}: dtype is {_dt(t.dtype)}, the artifact needs {_dt(dtype)}", reason="dtype"
+                )
             if t.device != device:
                 if not self.copy_inputs:
                     raise GuardError(
@@ -119,7 +124,9 @@ def _not_memory(name: str, t: torch.Tensor) -> GuardError:
     if t.is_meta:
         return GuardError(f"input {name!r}: a meta tensor has no data to compute on", reason="meta")
     if t.is_quantized:
-        return GuardError(f"input {name!r}: a quantized tensor; pass t.dequantize() or the plain values", reason="quantized")
+        return GuardError(
+            f"input {name!r}: a quantized tensor; pass t.dequantize() or the plain values", reason="quantized"
+        )
     if t.is_neg():
         return GuardError(
             f"input {name!r}: a lazy negative view (its memory holds the values unnegated): pass t.resolve_neg()",

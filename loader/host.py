@@ -59,7 +59,7 @@ class HostFacts:
     cuda: CudaFacts | None = None  # the GPUs; None: not looked at yet (only CUDA loads need them)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_facts() -> HostFacts:
     """This host's facts, CUDA left out: it is only looked at when a load asks for a GPU."""
     import torch

@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import constants as C
 from . import remote
@@ -36,7 +37,6 @@ from .manifest import Manifest
 from .model import CompiledModel, load
 from .pack import read_head
 from .traffic import Histogram, add_histograms, histogram_of
-
 
 # How long a swap waits for calls still running on the old version before taking its counts anyway.
 DRAIN_SECONDS = 60.0
@@ -269,7 +269,11 @@ class Live:
         """
         with self._retired_lock:  # the serving version and those draining, as one consistent set
             serving = self._serving
-            current = serving.model.stats() if serving is not None else {"calls": 0, "variants": {}, "shapes": [], "shapes_not_tracked": 0}
+            current = (
+                serving.model.stats()
+                if serving is not None
+                else {"calls": 0, "variants": {}, "shapes": [], "shapes_not_tracked": 0}
+            )
             shapes = add_histograms(histogram_of(current), self._retired)
             for old in self._draining:
                 add_histograms(shapes, histogram_of(old.model.stats()))
@@ -301,10 +305,12 @@ class Live:
                 else:
                     resolved = resolve_pointer(requested)
                 start = time.perf_counter()
-                model = load(resolved, **self.load_options)
+                model = load(resolved, warmup=False, **self.load_options)  # warmed below: a SwapError if it fails
                 version = model.manifest.version
                 digest = model.digest
-                self._refuse_mismatch(model, rollback_ok=self.allow_rollback if allow_rollback is None else allow_rollback)
+                self._refuse_mismatch(
+                    model, rollback_ok=self.allow_rollback if allow_rollback is None else allow_rollback
+                )
                 if self.warmup:
                     try:
                         model.warmup()
@@ -373,8 +379,8 @@ class Live:
             raise SwapError(f"{where}: its output structure differs from the serving version's; callers would break")
         if new_m.version < old_m.version and not rollback_ok:
             raise SwapError(
-                f"{where}: version {new_m.version} is older than the serving version {old_m.version} "
-                "(a rollback: allow it explicitly)"
+                f"{where}: version {new_m.version} is older than the serving version {old_m.version} (a rollback); "
+                "to allow it, serve with --allow-rollback (Live(..., allow_rollback=True) or swap(..., allow_rollback=True))"
             )
 
     # --- watching ------------------------------------------------------------------------------
@@ -396,7 +402,9 @@ class Live:
         if self._watcher is not None:
             raise LoaderError("already watching; call close() first")
         self._watch_stop.clear()
-        self._watcher = threading.Thread(target=self._watch_loop, args=(target, interval), name="live-watch", daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch_loop, args=(target, interval), name="live-watch", daemon=True
+        )
         self._watcher.start()
 
     def _watch_loop(self, target: Path | str, interval: float) -> None:

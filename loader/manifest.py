@@ -17,8 +17,9 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Union
+from typing import Any, Union
 
 from . import constants as C
 from .errors import ArtifactError
@@ -140,7 +141,9 @@ class Variant:
             out["precision"] = self.precision
             out["cpu_features"] = list(self.cpu_features)
             out["gate"] = self.gate
-        if self.needs_torch is not None:  # only when set: artifacts without such variants stay readable by older loaders
+        if (
+            self.needs_torch is not None
+        ):  # only when set: artifacts without such variants stay readable by older loaders
             out["needs_torch"] = self.needs_torch
         return out
 

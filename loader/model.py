@@ -9,18 +9,19 @@ cache entry) are handed over as views, shared by all variants.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from .aoti import load_constants, open_package
+from .cuda import CudaRunner, GraphedRunner, parse_device
 from .dispatch import ServedModel
 from .errors import ArtifactError, IncompatibleArtifactError, first_line
 from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts
 from .manifest import Manifest
-from .cuda import CudaRunner, GraphedRunner, parse_device
 from .policy import ArrayOps
 from .precision import REQUESTS, Choice, choose
 from .source import open_artifact
@@ -94,7 +95,9 @@ class CompiledModel(ServedModel):
         return torch.full(shape, value, dtype=TORCH_DTYPES[dtype], device=self.device)
 
     def __repr__(self) -> str:
-        return f"<CompiledModel {self.name!r} from {str(self.path)!r}: {len(self._runners)} variant(s) on {self.device}>"
+        return (
+            f"<CompiledModel {self.name!r} from {str(self.path)!r}: {len(self._runners)} variant(s) on {self.device}>"
+        )
 
 
 def load(
@@ -110,6 +113,8 @@ def load(
     copy_inputs: bool = False,
     threads: int | None = None,
     precision: str = "auto",
+    max_bytes: int | None = None,
+    warmup: bool = True,
 ) -> CompiledModel:
     """Load an artifact built by ``precompile build``, from its folder or a pack (``precompile pack``),
     and return a callable model.
@@ -132,6 +137,13 @@ def load(
       this CPU has the features they need, fp32 elsewhere; ``"fp32"`` only fp32; ``"bf16"``/``"int8"``
       that precision first (IncompatibleArtifactError when the artifact or this CPU has none). The
       model's ``precision`` says what it serves; ``stats()`` and the variant ids (``int8-v0``) too.
+    - ``max_bytes`` (a URL): refuse to download an object larger than this (the size the store's
+      ``index.json`` records bounds it too).
+    - ``warmup`` runs every variant once on its hint shape before returning (``model.warmup()``), so
+      the first real call meets warm code; ``warmup=False`` returns at once. It runs in the calling
+      thread: OpenMP keeps one thread team per calling thread, so a thread that calls for the first
+      time still starts its own (call ``model.warmup()`` once in each, for a pool of callers). A new
+      shape on a dynamic variant is still slower the first time.
 
     Raises ArtifactError for a missing, unreadable or corrupt artifact, IncompatibleArtifactError when
     it was built for another host, and UntrustedArtifactError when it fails the trust policy; all of
@@ -153,6 +165,7 @@ def load(
         refuse_rollback=refuse_rollback,
         cache_dir=cache_dir,
         state_dir=state_dir,
+        max_bytes=max_bytes,
     )
     with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
         root, manifest, device = opened.root, opened.manifest, opened.device
@@ -172,6 +185,11 @@ def load(
             digest=opened.digest,
             precision=choice,
         )
+        if warmup:
+            try:
+                model.warmup()
+            except RuntimeError as e:
+                raise ArtifactError(f"{root}: the warm-up call failed: {first_line(e)}") from e
         opened.loaded()
     return model
 
@@ -242,4 +260,3 @@ class _Cast:
 def host_cpu_features() -> frozenset[str]:
     """This CPU's features, as the host check read them (once per process)."""
     return host_facts().cpu_features
-

@@ -15,7 +15,8 @@ All of them use these functions, so the order cannot differ between writer, load
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .manifest import OutputSpec
 

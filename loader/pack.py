@@ -25,13 +25,14 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 from . import constants as C
 from .artifact import manifest_digest, read_manifest, read_signature
-from .errors import ArtifactError
+from .errors import ArtifactError, import_extra
 from .manifest import MAX_INT, Manifest, check_member_path, parse_manifest
 
 CHUNK = 1 << 20
@@ -144,14 +145,16 @@ def max_pack_bytes(head: PackHead) -> int:
     return content + content // 255 + MAX_FRAMES * (64 + ZSTD_MAX_FRAME_HEADER + 4)
 
 
-def write_pack(root: str | os.PathLike, out: BinaryIO, *, level: int = 3, threads: int = 0, signature: bytes | None = None) -> Manifest:
+def write_pack(
+    root: str | os.PathLike, out: BinaryIO, *, level: int = 3, threads: int = 0, signature: bytes | None = None
+) -> Manifest:
     """Write the artifact folder ``root`` to ``out`` as a pack; return its manifest.
 
     Only the manifest, the signature (``signature`` if given, else ``root/signature.json`` if there)
     and the files the manifest lists are packed. Each file's size and sha256 are checked against the
     manifest as it is read, so a corrupt artifact is never packed (ArtifactError).
     """
-    import zstandard
+    zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
     root = Path(root)
     manifest = read_manifest(root)
@@ -183,7 +186,9 @@ def write_pack(root: str | os.PathLike, out: BinaryIO, *, level: int = 3, thread
         except OSError as e:
             raise ArtifactError(f"{root}: {rel}: cannot read ({e.strerror})") from None
         if seen != entry.size:
-            raise ArtifactError(f"{root}: {rel} is not {entry.size} bytes as the manifest says (changed while packing?)")
+            raise ArtifactError(
+                f"{root}: {rel} is not {entry.size} bytes as the manifest says (changed while packing?)"
+            )
         if digest.hexdigest() != entry.sha256:
             raise ArtifactError(f"{root}: {rel} does not match its sha256 in the manifest (changed or corrupt)")
         w.write(b"\0" * _padding(entry.size))
@@ -205,7 +210,7 @@ def replace_head(path: str | os.PathLike, out: BinaryIO, signature: bytes | None
     Returns False (writing nothing) when the pack's first frame is not exactly its head, as in a
     pack another tool recompressed; the caller then unpacks and packs again.
     """
-    import zstandard
+    zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
     path = Path(path)
     head = read_head(path)
@@ -343,7 +348,7 @@ def walk_frames(f: BinaryIO, path: Path) -> list[Frame]:
     Refuses a file that is not whole frames back to back (truncated, or with bytes appended), a frame
     that does not declare its content size or carry a checksum, and skippable frames.
     """
-    import zstandard
+    zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
     end = os.fstat(f.fileno()).st_size
     frames: list[Frame] = []
@@ -361,7 +366,10 @@ def walk_frames(f: BinaryIO, path: Path) -> list[Frame]:
             params = zstandard.get_frame_parameters(start)
         except zstandard.ZstdError as e:
             raise ArtifactError(f"{where}: bad frame header ({e})") from None
-        if params.content_size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) or params.content_size > MAX_INT:
+        if (
+            params.content_size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR)
+            or params.content_size > MAX_INT
+        ):
             raise ArtifactError(f"{where}: does not declare its decompressed size; write packs with `precompile pack`")
         if not params.has_checksum:
             raise ArtifactError(f"{where}: carries no checksum; write packs with `precompile pack`")
@@ -370,19 +378,25 @@ def walk_frames(f: BinaryIO, path: Path) -> list[Frame]:
             f.seek(pos)
             block = f.read(3)
             if len(block) < 3:
-                raise ArtifactError(f"{path}: truncated (the file ends inside zstandard frame {len(frames)}); copy it again")
+                raise ArtifactError(
+                    f"{path}: truncated (the file ends inside zstandard frame {len(frames)}); copy it again"
+                )
             (value,) = struct.unpack("<I", block + b"\0")
             last, kind, size = value & 1, (value >> 1) & 3, value >> 3
             if kind == 3:
                 raise ArtifactError(f"{where}: reserved block type at byte {pos} (corrupt pack)")
             if size > zstandard.BLOCKSIZE_MAX:
-                raise ArtifactError(f"{where}: block of {size} bytes at byte {pos}, more than zstandard allows (corrupt pack)")
+                raise ArtifactError(
+                    f"{where}: block of {size} bytes at byte {pos}, more than zstandard allows (corrupt pack)"
+                )
             pos += 3 + (1 if kind == 1 else size)
             if last:
                 break
         pos += 4  # the checksum
         if pos > end:
-            raise ArtifactError(f"{path}: truncated (the file ends inside zstandard frame {len(frames)}); copy it again")
+            raise ArtifactError(
+                f"{path}: truncated (the file ends inside zstandard frame {len(frames)}); copy it again"
+            )
         frames.append(Frame(offset, pos - offset, params.content_size))
         offset = pos
     if not frames:
@@ -394,7 +408,7 @@ class _TarReader:
     """Strict ustar members from a pack's decompressed stream, read against a byte budget."""
 
     def __init__(self, path: Path, f: BinaryIO, frames: list[Frame] | None):
-        import zstandard
+        zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
         self.path = path
         self._zstd_error = zstandard.ZstdError
@@ -439,7 +453,9 @@ class _TarReader:
         block = self._read(C.TAR_BLOCK, f"the header of member {self.count}")
         if block == bytes(C.TAR_BLOCK):
             if self._read(C.TAR_BLOCK, "the end-of-archive marker") != bytes(C.TAR_BLOCK):
-                raise ArtifactError(f"{self.path}: a zero block inside the archive, before member {self.count} (corrupt pack)")
+                raise ArtifactError(
+                    f"{self.path}: a zero block inside the archive, before member {self.count} (corrupt pack)"
+                )
             self._ended = True
             return None
         member = self._parse_header(block)
@@ -508,7 +524,9 @@ class _TarReader:
                 "`precompile pack`)"
             )
         if size > C.MAX_MANIFEST_BYTES:
-            raise ArtifactError(f"{self.path}: {C.MANIFEST_FILE} is {size} bytes, more than the {C.MAX_MANIFEST_BYTES} allowed")
+            raise ArtifactError(
+                f"{self.path}: {C.MANIFEST_FILE} is {size} bytes, more than the {C.MAX_MANIFEST_BYTES} allowed"
+            )
         manifest_bytes = self.read_data(size, name)
         manifest = parse_manifest(manifest_bytes, source=f"{self.path}: {C.MANIFEST_FILE}")
         for reserved in RESERVED:
@@ -532,7 +550,9 @@ class _TarReader:
         member = self.next_member()
         if member is not None and member[0] == C.SIGNATURE_FILE:
             if member[1] > C.MAX_SIGNATURE_BYTES:
-                raise ArtifactError(f"{self.path}: {C.SIGNATURE_FILE} is {member[1]} bytes, more than the {C.MAX_SIGNATURE_BYTES} allowed")
+                raise ArtifactError(
+                    f"{self.path}: {C.SIGNATURE_FILE} is {member[1]} bytes, more than the {C.MAX_SIGNATURE_BYTES} allowed"
+                )
             signature = self.read_data(member[1], member[0])
         else:
             self._pending = member
@@ -550,7 +570,9 @@ class _TarReader:
                 break
             trailer += len(chunk)
             if trailer > C.MAX_TAR_TRAILER or any(chunk):
-                raise ArtifactError(f"{self.path}: data after the end of the archive (corrupt pack, or not one `precompile pack` wrote)")
+                raise ArtifactError(
+                    f"{self.path}: data after the end of the archive (corrupt pack, or not one `precompile pack` wrote)"
+                )
         if self._frames is not None and self.offset + trailer != sum(fr.content_size for fr in self._frames):
             raise ArtifactError(f"{self.path}: the frames' declared sizes do not match their content (corrupt pack)")
 
@@ -558,7 +580,7 @@ class _TarReader:
 def open_decompressed(f: BinaryIO) -> Any:
     """The decompressed stream of every frame in ``f``, read on demand: ``read(n)`` never makes more
     than ``n`` bytes, whatever the frame headers claim. (One function, so tests can watch it.)"""
-    import zstandard
+    zstandard = import_extra("zstandard", "a pack (.tar.zst)")
 
     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
     return dctx.stream_reader(f, read_size=1 << 17, read_across_frames=True, closefd=False)
@@ -579,4 +601,3 @@ def _field(raw: bytes, where: str, what: str) -> str:
         return value.decode("utf-8")
     except UnicodeDecodeError:
         raise ArtifactError(f"{where}: {what} is not UTF-8") from None
-

@@ -14,11 +14,12 @@ caller, so the torch loader and the torch-free one (numpy arrays) serve a policy
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .errors import GuardError
-from .manifest import DimRange, Manifest
+from .manifest import DimRange, Manifest, Variant
 
 Run = Callable[[list, dict], tuple[list, list]]  # (tensors, sizes) -> (flat outputs, variant ids)
 OutputDims = Sequence[Sequence["str | None"]]  # per flat output, per axis: the dim it follows
@@ -69,6 +70,20 @@ def split_problem(dim: str, output_dims: OutputDims | None) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How the policies serve a call that no variant holds: the pieces they run, each with its sizes
+    and the variant that runs it (``CompiledModel.select`` answers with this)."""
+
+    policies: tuple[tuple[str, str], ...]  # (dim, policy) applied, outermost first
+    pieces: tuple[tuple[dict[str, int], Variant], ...]
+
+    @property
+    def id(self) -> str:
+        """The variants used, as ``call_detailed`` names them (``dynamic-0``, ``static-0+dynamic-1``)."""
+        return "+".join(dict.fromkeys(v.id for _, v in self.pieces))
+
+
 class Policies:
     """The manifest's policies, with the input and output axes each dim touches precomputed."""
 
@@ -97,31 +112,66 @@ class Policies:
                 return True
         return False
 
-    def run(self, tensors: list, sizes: dict[str, int], run: Run) -> tuple[list, list]:
-        """Serve one call, applying the first policy the sizes need, recursively."""
+    def step(self, sizes: dict[str, int]) -> tuple[str, str, list[int]] | None:
+        """The first policy ``sizes`` need: (dim, policy, the sizes of its pieces: one for pad), or None
+        when every policy dim is in range. GuardError when that policy cannot serve them."""
         for d, policy in self.policy.items():
             r, n = self.dims[d], sizes[d]
             if r.min <= n <= r.max:
                 continue
             if policy == "split":
-                return self._split(d, r, n, tensors, sizes, run)
-            return self._pad(d, r, n, tensors, sizes, run)
-        return run(tensors, sizes)
+                if d in self.unsplittable:
+                    raise GuardError(
+                        f"dim {d!r} is {n}, outside the built range {r}; its policy is split, which this artifact "
+                        f"cannot undo: {self.unsplittable[d]}",
+                        reason="policy",
+                    )
+                pieces = split_sizes(n, r.min, r.max) if n > r.max else None
+                if pieces is None:
+                    raise GuardError(
+                        f"dim {d!r} is {n}, outside the built range {r}; its policy is split, which serves sizes "
+                        f"above {r.max} that cut into pieces within the range",
+                        reason="policy",
+                    )
+                return d, policy, pieces
+            if n > r.max:
+                raise GuardError(
+                    f"dim {d!r} is {n}, above the built range {r}; its policy is pad, which only serves sizes "
+                    f"below {r.min}",
+                    reason="policy",
+                )
+            return d, policy, [r.min]
+        return None
 
-    def _split(self, d: str, r: DimRange, n: int, tensors: list, sizes: dict, run: Run) -> tuple[list, list]:
-        if d in self.unsplittable:
-            raise GuardError(
-                f"dim {d!r} is {n}, outside the built range {r}; its policy is split, which this artifact "
-                f"cannot undo: {self.unsplittable[d]}",
-                reason="policy",
-            )
-        pieces = split_sizes(n, r.min, r.max) if n > r.max else None
-        if pieces is None:
-            raise GuardError(
-                f"dim {d!r} is {n}, outside the built range {r}; its policy is split, which serves sizes above "
-                f"{r.max} that cut into pieces within the range",
-                reason="policy",
-            )
+    def plan(self, sizes: dict[str, int], dispatch: Callable[[dict[str, int]], Variant]) -> Plan:
+        """What ``run`` would do with a call of ``sizes``, without running it."""
+        applied: dict[str, str] = {}
+        pieces: list[tuple[dict[str, int], Variant]] = []
+
+        def walk(sizes: dict[str, int]) -> None:
+            step = self.step(sizes)
+            if step is None:
+                pieces.append((sizes, dispatch(sizes)))
+                return
+            d, policy, parts = step
+            applied.setdefault(d, policy)
+            for size in parts:
+                walk({**sizes, d: size})
+
+        walk(dict(sizes))
+        return Plan(tuple(applied.items()), tuple(pieces))
+
+    def run(self, tensors: list, sizes: dict[str, int], run: Run) -> tuple[list, list]:
+        """Serve one call, applying the first policy the sizes need, recursively."""
+        step = self.step(sizes)
+        if step is None:
+            return run(tensors, sizes)
+        d, policy, pieces = step
+        if policy == "split":
+            return self._split(d, pieces, tensors, sizes, run)
+        return self._pad(d, pieces[0], sizes[d], tensors, sizes, run)
+
+    def _split(self, d: str, pieces: list[int], tensors: list, sizes: dict, run: Run) -> tuple[list, list]:
         parts, ids, offset = [], [], 0
         for size in pieces:
             sub = list(tensors)
@@ -133,20 +183,15 @@ class Policies:
             offset += size
         return [self.ops.cat([p[k] for p in parts], axes[0]) for k, axes in enumerate(self.output_axes[d])], ids
 
-    def _pad(self, d: str, r: DimRange, n: int, tensors: list, sizes: dict, run: Run) -> tuple[list, list]:
-        if n > r.max:
-            raise GuardError(
-                f"dim {d!r} is {n}, above the built range {r}; its policy is pad, which only serves sizes below {r.min}",
-                reason="policy",
-            )
+    def _pad(self, d: str, to: int, n: int, tensors: list, sizes: dict, run: Run) -> tuple[list, list]:
         ops = self.ops
         padded = list(tensors)
         for i, axis in self.input_axes[d]:
             t = padded[i]
             shape = list(t.shape)
-            shape[axis] = r.min - n
+            shape[axis] = to - n
             padded[i] = ops.cat([t, ops.fill(t, shape, self.pad_values[i])], axis)
-        outputs, ids = self.run(padded, {**sizes, d: r.min}, run)
+        outputs, ids = self.run(padded, {**sizes, d: to}, run)
         cut = []
         for o, axes in zip(outputs, self.output_axes[d]):
             for axis in axes:

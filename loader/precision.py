@@ -48,10 +48,14 @@ class Choice:
                 twins.setdefault(_against(v), []).append(v)
         ranked = [sorted(group, key=_measured_ms) for group in twins.values()]
         depth = max((len(g) for g in ranked), default=0)
-        return [[g[k] for g in ranked if k < len(g)] for k in range(depth)] + [[v for v in served if v.precision == "fp32"]]
+        return [[g[k] for g in ranked if k < len(g)] for k in range(depth)] + [
+            [v for v in served if v.precision == "fp32"]
+        ]
 
 
-def choose(variants: tuple[Variant, ...] | list[Variant], requested: str, features: frozenset[str], source: str) -> Choice:
+def choose(
+    variants: tuple[Variant, ...] | list[Variant], requested: str, features: frozenset[str], source: str
+) -> Choice:
     """Decide which of ``variants`` (one device's) serve, for a ``requested`` precision (one of
     ``REQUESTS``: ``load`` checks it before opening anything) on a host with CPU ``features``."""
     present: dict[str, list[Variant]] = {}
@@ -81,7 +85,9 @@ def choose(variants: tuple[Variant, ...] | list[Variant], requested: str, featur
                 f"{source}: the {requested} variants need CPU features {skipped[requested].removeprefix('this CPU lacks ')} "
                 "that this host lacks; load with precision='auto' or 'fp32'"
             )
-        return Choice((requested, "fp32"), {p: f"precision={requested!r} asked for" for p in usable if p != requested} | skipped)
+        return Choice(
+            (requested, "fp32"), {p: f"precision={requested!r} asked for" for p in usable if p != requested} | skipped
+        )
     usable.sort(key=lambda p: -_speedup(present[p]))
     return Choice((*usable, "fp32"), skipped, per_variant=True)
 

@@ -35,17 +35,18 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from . import constants as C
+from .artifact import manifest_digest, read_signature
 from .cache import Cache
 from .errors import ArtifactError, LoaderError
 from .fs import check_private, write_atomic
 from .manifest import MAX_INT, NAME_RE, _Reader
 from .pack import MAX_HEAD_BYTES, PackHead, max_pack_bytes, read_partial_head
-from .artifact import manifest_digest, read_signature
 
 ENDPOINT_ENV = "PRECOMPILE_S3_ENDPOINT_URL"
 CHUNK = 8 << 20
@@ -53,6 +54,7 @@ FIRST_CHUNK = 256 << 10  # reads grow from this to CHUNK: a pack's head arrives,
 RETRIES = 4  # attempts per request, transient errors only
 BACKOFF = 0.25  # seconds before the second attempt, doubled each time
 RECORDS_DIR = "remote"
+
 
 class MissingObjectError(ArtifactError):
     """The store answered: there is no object at this URL."""
@@ -96,7 +98,9 @@ def filesystem(url: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
-        raise ArtifactError(f"{url}: {e}; pip install 'precompile[s3]' (or the fsspec package for this scheme)") from None
+        raise ArtifactError(
+            f"{url}: {e}; pip install 'precompile[s3]' (or the fsspec package for this scheme)"
+        ) from None
     except ValueError as e:
         raise ArtifactError(f"{url}: not a URL fsspec knows ({e})") from None
 
@@ -114,7 +118,9 @@ def retried(url: str, what: str, call: Callable[[], T]) -> T:
             raise ArtifactError(f"{url}: access refused by the store ({e}); check the credentials") from None
         except Exception as e:  # fsspec backends raise their own transport errors (aiohttp, botocore)
             if attempt + 1 == RETRIES:
-                raise ArtifactError(f"{url}: cannot {what} after {RETRIES} attempts; is the store up? ({type(e).__name__}: {e})") from None
+                raise ArtifactError(
+                    f"{url}: cannot {what} after {RETRIES} attempts; is the store up? ({type(e).__name__}: {e})"
+                ) from None
             time.sleep(BACKOFF * 2**attempt)
     raise AssertionError("unreachable")
 
@@ -234,7 +240,13 @@ class IndexEntry:
     signed_by: tuple[str, ...]  # key ids
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "digest": self.digest, "sha256": self.sha256, "size": self.size, "signed_by": list(self.signed_by)}
+        return {
+            "file": self.file,
+            "digest": self.digest,
+            "sha256": self.sha256,
+            "size": self.size,
+            "signed_by": list(self.signed_by),
+        }
 
 
 @dataclass(frozen=True)
@@ -291,7 +303,10 @@ def _index_entry(r: _Reader, version: int, value: Any, where: str) -> IndexEntry
     entry = r.obj(value, where, _ENTRY_KEYS)
     file = r.str(entry["file"], f"{where}.file")
     if file != f"{version}{C.PACK_SUFFIX}":
-        raise r.fail(f"{where}.file", f"{file!r}: version {version} is published as {version}{C.PACK_SUFFIX} in the model's folder")
+        raise r.fail(
+            f"{where}.file",
+            f"{file!r}: version {version} is published as {version}{C.PACK_SUFFIX} in the model's folder",
+        )
     signed_by = r.list(entry["signed_by"], f"{where}.signed_by", max_len=64)
     return IndexEntry(
         version=version,
@@ -338,7 +353,9 @@ def download(fs: Any, path: str, url: str, write: Callable[[bytes], Any] | None,
         if not chunk:
             break
         if len(chunk) > end - offset:
-            raise ArtifactError(f"{url}: the store sent {len(chunk)} bytes for a read of {end - offset} (it ignores ranges?)")
+            raise ArtifactError(
+                f"{url}: the store sent {len(chunk)} bytes for a read of {end - offset} (it ignores ranges?)"
+            )
         digest.update(chunk)
         if write is not None:
             write(chunk)
@@ -379,16 +396,22 @@ def open_url(
             # The entry failed its check and the cache discarded it: fetch the pack again.
     entry = index_entry(url)
     if entry is not None and size != entry.size:
-        raise ArtifactError(f"{url}: the store's object is {size} bytes, its {INDEX_FILE} records {entry.size}; refusing to download it")
+        raise ArtifactError(
+            f"{url}: the store's object is {size} bytes, its {INDEX_FILE} records {entry.size}; refusing to download it"
+        )
     if max_bytes is not None and size > max_bytes:
-        raise ArtifactError(f"{url}: the store's object is {size} bytes, more than max_bytes={max_bytes}; refusing to download it")
+        raise ArtifactError(
+            f"{url}: the store's object is {size} bytes, more than max_bytes={max_bytes}; refusing to download it"
+        )
     cache._prepare()
     fd, tmp = tempfile.mkstemp(prefix="download-", suffix=C.PACK_SUFFIX, dir=cache.tmp_dir)
     try:
         with _named_as(tmp, url), os.fdopen(fd, "wb") as out:
             sha256 = download(fs, path, url, _HeadWatch(out, Path(tmp), size, admit).write, size)
             if entry is not None and sha256 != entry.sha256:
-                raise ArtifactError(f"{url}: its sha256 is not the one in {INDEX_FILE} (changed in the store, or corrupt)")
+                raise ArtifactError(
+                    f"{url}: its sha256 is not the one in {INDEX_FILE} (changed in the store, or corrupt)"
+                )
             out.close()
             opened = open_pack(Path(tmp))
     finally:
@@ -396,7 +419,9 @@ def open_url(
     if etag is not None:
         try:
             record_path.parent.mkdir(mode=0o755, exist_ok=True)
-            write_atomic(record_path, json.dumps({"url": url, "etag": etag, "size": size, "digest": opened.digest}).encode())
+            write_atomic(
+                record_path, json.dumps({"url": url, "etag": etag, "size": size, "digest": opened.digest}).encode()
+            )
         except OSError:
             pass  # a read-only cache still serves; the next load downloads again
     return opened
@@ -422,13 +447,17 @@ class _HeadWatch:
         self.head = read_partial_head(self.path)
         if self.head is None:
             if self.written > MAX_HEAD_BYTES:
-                raise ArtifactError(f"{self.path}: no pack head (manifest, signature) in its first {MAX_HEAD_BYTES} bytes; not a pack")
+                raise ArtifactError(
+                    f"{self.path}: no pack head (manifest, signature) in its first {MAX_HEAD_BYTES} bytes; not a pack"
+                )
             return
         if self.admit is not None:
             self.admit(self.head)
         most = max_pack_bytes(self.head)
         if self.size > most:
-            raise ArtifactError(f"{self.path}: {self.size} bytes, more than the {most} a pack of its manifest can take (bytes appended?)")
+            raise ArtifactError(
+                f"{self.path}: {self.size} bytes, more than the {most} a pack of its manifest can take (bytes appended?)"
+            )
 
 
 class _Enough(Exception):

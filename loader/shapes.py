@@ -7,7 +7,8 @@ loaders refuse a wrong shape with the same GuardError, word for word.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .constants import INTEGER_DTYPES
 from .errors import GuardError
@@ -36,7 +37,9 @@ class ShapeGuard:
         """Per input: (name, dtype name, rank, axes, value range or None)."""
         plan = []
         for spec in self.inputs:
-            axes = tuple((axis, s, None) if isinstance(s, int) else (axis, None, s) for axis, s in enumerate(spec.shape))
+            axes = tuple(
+                (axis, s, None) if isinstance(s, int) else (axis, None, s) for axis, s in enumerate(spec.shape)
+            )
             values = spec.range if spec.dtype in INTEGER_DTYPES else None
             plan.append((spec.name, spec.dtype, len(spec.shape), axes, values))
         return plan
@@ -46,7 +49,10 @@ class ShapeGuard:
         if not kwargs and len(args) == n:
             return list(args)
         if len(args) > n:
-            raise GuardError(f"expected at most {n} inputs ({', '.join(self.names)}), got {len(args)} positional", reason="too_many_inputs")
+            raise GuardError(
+                f"expected at most {n} inputs ({', '.join(self.names)}), got {len(args)} positional",
+                reason="too_many_inputs",
+            )
         bound: list = list(args) + [None] * (n - len(args))
         given = [True] * len(args) + [False] * (n - len(args))
         for key, value in kwargs.items():
@@ -59,7 +65,9 @@ class ShapeGuard:
             given[pos] = True
         missing = [name for name, ok in zip(self.names, given) if not ok]
         if missing:
-            raise GuardError(f"missing input(s): {', '.join(missing)} (inputs: {', '.join(self.names)})", reason="missing_input")
+            raise GuardError(
+                f"missing input(s): {', '.join(missing)} (inputs: {', '.join(self.names)})", reason="missing_input"
+            )
         return bound
 
     def check_shape(self, name: str, shape: Sequence[int], ndim: int, axes: Axes, sizes: dict[str, int]) -> None:

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from . import constants as C
+from . import remote
 from .artifact import manifest_digest, read_manifest_with_bytes, read_signature, verify_files
 from .cache import Cache
 from .errors import LoaderError
 from .host import HostFacts, check_compatible
 from .manifest import Manifest
-from . import remote
 from .pack import PackHead, read_head
 from .trust import KeySource, LedgerHold, VersionLedger, check_expiry, check_min_version, check_signature, public_keys
 from .weights import MappedWeights, map_file, read_private
@@ -101,7 +101,11 @@ def open_artifact(
             check_compatible(head.manifest, device or head.manifest.target.device, host)
 
         return remote.open_url(
-            str(path), lambda local: open_artifact(local, **options), admit=admit, max_bytes=max_bytes, cache_dir=cache_dir
+            str(path),
+            lambda local: open_artifact(local, **options),
+            admit=admit,
+            max_bytes=max_bytes,
+            cache_dir=cache_dir,
         )
     head = path if isinstance(path, PackHead) else None  # a remote pack's cache entry (loader.remote)
     path = head.path if head is not None else Path(path)
@@ -135,7 +139,12 @@ def open_artifact(
 
 
 def _admit(
-    manifest: Manifest, manifest_bytes: bytes, signature: bytes | None, keys: list | None, min_version: int | None, source: str
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    signature: bytes | None,
+    keys: list | None,
+    min_version: int | None,
+    source: str,
 ) -> str | None:
     """The refusals the manifest and signature decide alone: signature (returns the key id when
     ``keys`` are given), expiry, minimum version."""

@@ -8,8 +8,8 @@ share of the machine (measured: 6.6× slower beside two neighbours on 2 cores, a
 ``OMP_WAIT_POLICY=PASSIVE``).
 
 The wait policy is read once, when the OpenMP runtime starts (at ``import torch``), so only a
-process's launcher can set it: ``precompile serve`` does so for itself; a library user sets it in
-the environment, and ``load()`` warns when the settings will hurt. The torch-free loader starts the
+process's launcher can set it: ``precompile serve`` does so for itself, ``import loader`` before
+torch does so for a library user who has not set it, and ``load()`` warns when the settings will hurt. The torch-free loader starts the
 runtime itself (``loader.native``), so it sets ``openmp_env()`` before it does. Only the functions
 that ask torch import it.
 """
@@ -22,7 +22,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+from .constants import WAIT_POLICY_ENV
+
 THREADS_ENV = "OMP_NUM_THREADS"
 
 
@@ -51,7 +52,9 @@ class CpuAllowance:
         return ", ".join(parts)
 
 
-def cpu_allowance(cgroup_root: str | os.PathLike = "/sys/fs/cgroup", proc_cgroup: str | os.PathLike = "/proc/self/cgroup") -> CpuAllowance:
+def cpu_allowance(
+    cgroup_root: str | os.PathLike = "/sys/fs/cgroup", proc_cgroup: str | os.PathLike = "/proc/self/cgroup"
+) -> CpuAllowance:
     """This process's CPUs: affinity and the tightest cgroup CPU quota on its path (v2 or v1)."""
     host = os.cpu_count() or 1
     try:
@@ -111,14 +114,22 @@ def _read_v1(folder: Path) -> float | None:
     return quota / period
 
 
-def threading_problems(allowance: CpuAllowance | None = None, *, threads: int | None = None, wait_policy: str | None = None) -> list[str]:
-    """Why torch's threading will hurt in this process, as sentences with the fix; [] when it fits."""
+def threading_problems(
+    allowance: CpuAllowance | None = None,
+    *,
+    threads: int | None = None,
+    wait_policy: str | None = None,
+    load: float | None = None,
+) -> list[str]:
+    """Why torch's threading will hurt in this process, as sentences with the fix; [] when it fits.
+    ``load``: the host's runnable work (default: its load average over the last minute)."""
     allowance = allowance or cpu_allowance()
     if threads is None:
         import torch
 
         threads = torch.get_num_threads()
     policy = os.environ.get(WAIT_POLICY_ENV) if wait_policy is None else wait_policy
+    load = _load_average() if load is None else load
     problems = []
     if threads > allowance.cpus:
         problems.append(
@@ -126,13 +137,22 @@ def threading_problems(allowance: CpuAllowance | None = None, *, threads: int | 
             f"call torch.set_num_threads({allowance.cpus}) or load(..., threads={allowance.cpus})"
         )
     shared = allowance.cpus < allowance.host or allowance.quota is not None
-    if threads > 1 and shared and (policy or "").strip().lower() != "passive":
+    crowded = load + threads > allowance.host  # other work cannot all run beside these threads
+    if threads > 1 and (shared or crowded) and (policy or "").strip().lower() != "passive":
+        where = allowance.describe() if shared else f"a load of {load:.1f} on {allowance.host} CPUs"
         problems.append(
-            f"OpenMP threads spin-wait between calls ({WAIT_POLICY_ENV} is {policy or 'unset'}) on a share of the "
-            f"host ({allowance.describe()}): neighbours slow every call; start the process with "
-            f"{WAIT_POLICY_ENV}=PASSIVE (it is read when torch is imported)"
+            f"OpenMP threads spin-wait between calls ({WAIT_POLICY_ENV} is {policy or 'unset'}) on a host they share "
+            f"({where}): neighbours slow every call; start the process with {WAIT_POLICY_ENV}=PASSIVE, or import "
+            "loader before torch (the policy is read when torch is imported)"
         )
     return problems
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not known on this platform
+        return 0.0
 
 
 _warned = False
@@ -185,7 +205,9 @@ def physical_cores(cpus: str | os.PathLike = "/sys/devices/system/cpu") -> int:
     return len(cores) or os.cpu_count() or 1
 
 
-def openmp_env(threads: int | None = None, *, workers: int = 1, environ: dict[str, str] | None = None) -> dict[str, str]:
+def openmp_env(
+    threads: int | None = None, *, workers: int = 1, environ: dict[str, str] | None = None
+) -> dict[str, str]:
     """The OpenMP settings to add before the runtime starts: ``OMP_WAIT_POLICY=PASSIVE`` (idle threads
     sleep instead of spinning) unless the user set a policy, and ``OMP_NUM_THREADS`` = ``threads``
     when given, else (unless the user set it) each of ``workers``' share of the CPUs this process gets."""

@@ -19,8 +19,9 @@ import atexit
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from .errors import LoaderError
 from .fs import write_atomic
@@ -56,9 +57,7 @@ def add_histograms(into: Histogram, other: Histogram) -> Histogram:
     return into
 
 
-def read_histogram(
-    path: str | os.PathLike, *, check: Callable[[dict[str, int], str], None] | None = None
-) -> Histogram:
+def read_histogram(path: str | os.PathLike, *, check: Callable[[dict[str, int], str], None] | None = None) -> Histogram:
     """Read a traffic file, summing the counts of equal dims.
 
     Raises TrafficFileError naming ``file:line`` for anything that is not a
@@ -211,4 +210,3 @@ class TrafficRecorder:
     def __repr__(self) -> str:
         every = f"every {self.interval:g} s" if self.interval else "on close"
         return f"<TrafficRecorder {str(self.path)!r} {every}>"
-

@@ -9,8 +9,9 @@
 
 The signed message is ``SIGNING_CONTEXT + canonical_manifest(manifest_bytes)``: the manifest's JSON
 with sorted keys and no whitespace (stable across formatting and loader versions), and the manifest pins
-every other file's size and sha256, so one signature covers the whole artifact. ``load(..., trusted_keys=[...])`` refuses an unsigned artifact, a signature by any other key,
-one that does not verify, and (through the sha256 checks) any file changed after signing.
+every other file's size and sha256, so one signature covers the whole artifact.
+``load(..., trusted_keys=[...])`` refuses an unsigned artifact, a signature by any other key, one
+that does not verify, and (through the sha256 checks) any file changed after signing.
 
 **Expiry.** A manifest whose ``expires`` has passed is refused, always.
 
@@ -38,13 +39,14 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Union
 
 from . import constants as C
 from .artifact import canonical_manifest, manifest_digest
-from .errors import ArtifactError, LoaderError
+from .errors import ArtifactError, LoaderError, import_extra
 from .fs import FileLock, check_private, write_atomic
 from .manifest import Manifest
 
@@ -77,6 +79,7 @@ def key_id(raw: bytes) -> str:
 def public_key(item: KeySource, where: str = "trusted key") -> PublicKey:
     """Read an Ed25519 public key: a path to a ``.pub`` file (PEM or OpenSSH), PEM or OpenSSH text,
     or a ``cryptography`` Ed25519PublicKey."""
+    import_extra("cryptography", "an Ed25519 key")
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -93,7 +96,9 @@ def public_key(item: KeySource, where: str = "trusted key") -> PublicKey:
         except OSError as e:
             raise LoaderError(f"{where}: {source}: cannot read ({e.strerror})") from None
     else:
-        raise LoaderError(f"{where}: expected a path, PEM or OpenSSH text, or an Ed25519PublicKey, got {type(item).__name__}")
+        raise LoaderError(
+            f"{where}: expected a path, PEM or OpenSSH text, or an Ed25519PublicKey, got {type(item).__name__}"
+        )
     try:
         if data.lstrip().startswith(b"ssh-ed25519"):
             key = serialization.load_ssh_public_key(data.strip())
@@ -102,7 +107,9 @@ def public_key(item: KeySource, where: str = "trusted key") -> PublicKey:
     except (ValueError, TypeError) as e:
         raise LoaderError(f"{where}: {source}: not a PEM or OpenSSH public key ({e})") from None
     if not isinstance(key, Ed25519PublicKey):
-        raise LoaderError(f"{where}: {source}: a {type(key).__name__}, not an Ed25519 public key (make one with `precompile keygen`)")
+        raise LoaderError(
+            f"{where}: {source}: a {type(key).__name__}, not an Ed25519 public key (make one with `precompile keygen`)"
+        )
     raw = key.public_bytes_raw()
     return PublicKey(key_id(raw), raw, source)
 
@@ -182,6 +189,7 @@ def parse_signature(data: bytes, source: str) -> Signature:
 def check_signature(manifest_bytes: bytes, signature: bytes | None, keys: list[PublicKey], source: str) -> PublicKey:
     """Return the trusted key that signed the manifest ``manifest_bytes`` (already accepted by
     ``parse_manifest``); UntrustedArtifactError otherwise."""
+    import_extra("cryptography", "checking a signature")
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -194,14 +202,18 @@ def check_signature(manifest_bytes: bytes, signature: bytes | None, keys: list[P
     sig = parse_signature(signature, f"{source}: {C.SIGNATURE_FILE}")
     key = next((k for k in keys if k.key_id == sig.key_id), None)
     if key is None:
-        raise UntrustedArtifactError(f"{source}: signed by key {sig.key_id[:16]}, which is not trusted here (trusted: {trusted})")
+        raise UntrustedArtifactError(
+            f"{source}: signed by key {sig.key_id[:16]}, which is not trusted here (trusted: {trusted})"
+        )
     if sig.manifest_sha256 != manifest_digest(manifest_bytes):
         raise UntrustedArtifactError(
             f"{source}: {C.SIGNATURE_FILE} was made for another manifest (the manifest changed after signing, or "
             "the signature was copied from another artifact)"
         )
     try:
-        Ed25519PublicKey.from_public_bytes(key.raw).verify(sig.signature, SIGNING_CONTEXT + canonical_manifest(manifest_bytes))
+        Ed25519PublicKey.from_public_bytes(key.raw).verify(
+            sig.signature, SIGNING_CONTEXT + canonical_manifest(manifest_bytes)
+        )
     except InvalidSignature:
         raise UntrustedArtifactError(
             f"{source}: the signature does not verify with key {key.short_id} (forged, or the manifest was changed "
@@ -262,7 +274,9 @@ class VersionLedger:
             lock = FileLock(path.with_suffix(".lock"))
             lock.acquire()
         except OSError as e:
-            raise LoaderError(f"{path}: cannot use the version records ({e.strerror}); set {C.STATE_ENV} to a writable folder") from None
+            raise LoaderError(
+                f"{path}: cannot use the version records ({e.strerror}); set {C.STATE_ENV} to a writable folder"
+            ) from None
         try:
             self.check(manifest, digest, source)
         except BaseException:
@@ -302,7 +316,9 @@ class VersionLedger:
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:
             # Failing closed: a damaged record must not silently turn the protection off.
-            raise LoaderError(f"{path}: unreadable version record ({e}); delete it to reset the rollback check for {name!r}") from None
+            raise LoaderError(
+                f"{path}: unreadable version record ({e}); delete it to reset the rollback check for {name!r}"
+            ) from None
         return version, digest
 
     def _write(self, manifest: Manifest, digest: str) -> None:

@@ -214,7 +214,7 @@ def parse_header(buf: mmap.mmap, size: int, path: str) -> dict[str, Stored]:
         spans.append((begin, end, name))
         stored[name] = Stored(dtype, tuple(shape), data_start + begin, nbytes)
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise ArtifactError(f"{path}: tensors {n0!r} and {n1!r} overlap")
     return stored

@@ -35,7 +35,9 @@ def ptx_targets(text: str) -> set[str]:
 def cuobjdump_targets(listing: str) -> set[str]:
     """The code objects in ``cuobjdump --list-elf --list-ptx`` output: ELF entries are SASS (sm_XY),
     PTX entries are PTX (compute_XY)."""
-    return {("compute_" + arch.removeprefix("sm_")) if kind == "PTX" else arch for kind, arch in _LISTED.findall(listing)}
+    return {
+        ("compute_" + arch.removeprefix("sm_")) if kind == "PTX" else arch for kind, arch in _LISTED.findall(listing)
+    }
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,10 @@ def package_kernels(path: Path, cuobjdump: str | None = None, timeout_s: float =
                 target.write_bytes(z.read(name))
                 try:
                     out = subprocess.run(
-                        [cuobjdump, "--list-elf", "--list-ptx", str(target)], capture_output=True, text=True, timeout=timeout_s
+                        [cuobjdump, "--list-elf", "--list-ptx", str(target)],
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout_s,
                     )
                     listed = cuobjdump_targets(out.stdout + out.stderr)
                 except (OSError, subprocess.TimeoutExpired):

@@ -21,7 +21,13 @@ from pathlib import Path
 DEFAULT_ROOTS = ("/usr/local/cuda", "/usr/local/cuda-*", "/opt/cuda", "/usr/lib/cuda")
 STUB_DIRS = ("lib64/stubs", "lib/stubs", "targets/x86_64-linux/lib/stubs", "targets/sbsa-linux/lib/stubs")
 # Folders the linker searches for -lcuda without being told (Debian/Ubuntu, RHEL layouts).
-SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu", "/usr/local/nvidia/lib64")
+SYSTEM_LIB_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/lib/x86_64-linux-gnu",
+    "/usr/local/nvidia/lib64",
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,9 @@ class Toolchain:
         """What a CUDA build with multi-arch kernels will lack, as sentences with the fix."""
         out = []
         if self.nvcc is None:
-            out.append("nvcc: not found through CUDACXX, CUDA_HOME, PATH or /usr/local/cuda; install the CUDA toolkit or set CUDACXX")
+            out.append(
+                "nvcc: not found through CUDACXX, CUDA_HOME, PATH or /usr/local/cuda; install the CUDA toolkit or set CUDACXX"
+            )
         if self.libcuda_link_dir is None:
             out.append(
                 "libcuda.so: no linkable driver library or toolkit stub (lib64/stubs/libcuda.so) found for -lcuda; "

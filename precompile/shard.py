@@ -1,7 +1,7 @@
 """Sharded builds: compile a deterministic share of the units on each CI runner, then assemble.
 
 A unit is one package to compile: a variant (per target and precision) under one option candidate
-(``build.CompileTask``). ``precompile build PROFILE --shard K/N`` takes every N-th unit from the
+(``units.CompileTask``). ``precompile build PROFILE --shard K/N`` (``build_part``) takes every N-th unit from the
 K-th, in the order of their file names, and writes a **part**: the packages it compiled, their
 constants, and ``part.json`` saying which profile, model weights and torch they come from. A part is
 not an artifact: ``loader.load`` refuses it.
@@ -33,13 +33,14 @@ from loader import constants as C
 from loader.manifest import CudaInfo
 
 from . import __version__
-from .build import BuildResult, CompileTask, Prepared, compile_variants, finish, prepare
-from .compile import CompiledPackage
+from .analysis.value_ranges import IndexTable
+from .context import BuildContext
 from .errors import PrecompileError
-from .executors import Executor
-from .plan import VariantPlan
+from .executors import Executor, compile_units
+from .pipeline import BuildResult, check_expires, finish, prepare
 from .progress import Progress
-from .values import IndexTable
+from .stages.targets import compile_tasks
+from .units import CompiledPackage, CompiledUnit, CompiledUnits, CompileTask, FailedUnit, VariantPlan, smallest_tables
 from .write import publish, staging_folder
 
 PART_FILE = "part.json"
@@ -52,7 +53,7 @@ class PartError(PrecompileError):
     """Parts that cannot be assembled: missing, unreadable, or not from the same build."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PartResult:
     path: Path
     shard: tuple[int, int]
@@ -61,7 +62,7 @@ class PartResult:
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """"K/N" (1 ≤ K ≤ N) as (K, N)."""
+    """ "K/N" (1 ≤ K ≤ N) as (K, N)."""
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
     if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
         raise PrecompileError(f"--shard {text!r}: expected K/N with 1 ≤ K ≤ N, e.g. 2/4")
@@ -78,9 +79,9 @@ def share(tasks: list[CompileTask], k: int, n: int) -> list[CompileTask]:
 # --- what makes parts belong together -------------------------------------------------------------
 
 
-def profile_digest(prepared: Prepared) -> str:
+def profile_digest(ctx: BuildContext) -> str:
     """The profile file and every file it names (traffic, calibration, weights): their bytes."""
-    loaded = prepared.loaded
+    loaded = ctx.loaded
     profile = loaded.profile
     h = hashlib.sha256(loaded.path.read_bytes())
     for name in (profile.distribution.file, profile.calibration.file, profile.model.weights):
@@ -103,18 +104,21 @@ def model_digest(model: torch.nn.Module) -> str:
 
 
 def build_part(
-    prepared: Prepared,
+    profile_path: str | Path,
     shard: tuple[int, int],
-    output: str | Path | None,
+    output: str | Path | None = None,
     *,
-    jobs: int | None,
-    executor: Executor | None,
-    progress: Progress,
+    jobs: int | None = None,
+    executor: Executor | None = None,
+    progress: Progress | None = None,
 ) -> PartResult:
+    """Compile the ``shard=(k, n)``-th share of a profile's units into a part at ``output`` (default:
+    ``artifacts/<name>.part-k-of-n``), for ``assemble``."""
+    progress = progress or Progress()
+    ctx = prepare(profile_path, progress)
     k, n = shard
-    profile = prepared.loaded.profile
-    target = Path(output) if output is not None else Path("artifacts") / f"{profile.name}.part-{k}-of-{n}"
-    tasks = prepared.tasks()
+    target = Path(output) if output is not None else Path("artifacts") / f"{ctx.profile.name}.part-{k}-of-{n}"
+    tasks = compile_tasks(ctx.variants, ctx.candidates)
     mine = share(tasks, k, n)
     progress.note(f"shard {k}/{n}: {len(mine)} of {len(tasks)} units")
     start = time.perf_counter()
@@ -122,52 +126,75 @@ def build_part(
     try:
         (staging / C.VARIANTS_DIR).mkdir()
         (staging / CONSTANTS_DIR).mkdir()
-        compiled, tables, failed = {}, {}, {}
-        if mine:
-            budget = profile.compile.tune.max_seconds if profile.compile.tune is not None else None
-            compiled, tables, failed = compile_variants(
-                prepared.loaded, prepared.model, mine, staging, jobs=jobs, progress=progress, max_seconds=budget, executor=executor
-            )
-        by_key = {(t.vp.id, t.candidate): t for t in mine}
-        built = []
-        for key, (vp, pkg, seconds) in sorted(compiled.items()):
-            task = by_key[key]
-            if pkg.constants:
-                save_file({name: t.contiguous() for name, t in pkg.constants.items()}, str(staging / CONSTANTS_DIR / f"{task.file}.safetensors"))
-            built.append(
-                {
-                    "file": task.file,
-                    "candidate": task.candidate,
-                    "variant": _plan_to_dict(vp),
-                    "seconds": seconds,
-                    "metadata": pkg.metadata,
-                    "embedded": pkg.embedded,
-                    "constants": sorted(pkg.constants),
-                }
-            )
-        record = {
-            "format": PART_FORMAT,
-            "format_version": PART_VERSION,
-            "name": profile.name,
-            "shard": [k, n],
-            "profile": {"path": str(prepared.loaded.path), "sha256": profile_digest(prepared)},
-            "model_sha256": model_digest(prepared.model),
-            "torch_version": torch.__version__,
-            "precompile_version": __version__,
-            "devices": list(prepared.devices),
-            "cuda": None if prepared.cuda is None else prepared.cuda.to_dict(),
-            "units": sorted(t.file for t in tasks),
-            "built": built,
-            "failed": [{"variant": vid, "candidate": c, "file": by_key[(vid, c)].file, "error": e} for (vid, c), e in failed.items()],
-            "tables": {name: dataclasses.asdict(t) for name, t in tables.items()},
-        }
+        units = (
+            compile_units(ctx, mine, staging, jobs=jobs, progress=progress, executor=executor)
+            if mine
+            else CompiledUnits()
+        )
+        record = _part_record(ctx, shard, tasks, mine, units, staging)
         (staging / PART_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         publish(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     seconds = time.perf_counter() - start
-    progress.note(f"{target}: part {k}/{n}, {len(built)} unit(s) compiled in {seconds:.1f} s; assemble all {n} parts with precompile assemble")
-    return PartResult(target, (k, n), [b["file"] for b in built], seconds)
+    built = [b["file"] for b in record["built"]]
+    progress.note(
+        f"{target}: part {k}/{n}, {len(built)} unit(s) compiled in {seconds:.1f} s; assemble all {n} parts with precompile assemble"
+    )
+    return PartResult(target, (k, n), built, seconds)
+
+
+def _part_record(
+    ctx: BuildContext,
+    shard: tuple[int, int],
+    tasks: list[CompileTask],
+    mine: list[CompileTask],
+    units: CompiledUnits,
+    staging: Path,
+) -> dict[str, Any]:
+    """``part.json``: where the part comes from, and per unit it compiled (its constants saved beside)."""
+    built = []
+    for unit in sorted(units.units, key=lambda u: (u.variant.id, u.candidate)):
+        file, pkg = unit.package.path.name, unit.package  # variants/<the task's file>
+        if pkg.constants:
+            save_file(
+                {name: t.contiguous() for name, t in pkg.constants.items()},
+                str(staging / CONSTANTS_DIR / f"{file}.safetensors"),
+            )
+        built.append(
+            {
+                "file": file,
+                "candidate": unit.candidate,
+                "variant": _plan_to_dict(unit.variant),
+                "seconds": unit.seconds,
+                "metadata": pkg.metadata,
+                "embedded": pkg.embedded,
+                "constants": sorted(pkg.constants),
+            }
+        )
+    return {
+        "format": PART_FORMAT,
+        "format_version": PART_VERSION,
+        "name": ctx.profile.name,
+        "shard": list(shard),
+        "profile": {"path": str(ctx.loaded.path), "sha256": profile_digest(ctx)},
+        "model_sha256": model_digest(ctx.model),
+        "torch_version": torch.__version__,
+        "precompile_version": __version__,
+        "devices": list(ctx.devices),
+        "cuda": None if ctx.cuda is None else ctx.cuda.to_dict(),
+        "units": sorted(t.file for t in tasks),
+        "built": built,
+        "failed": [
+            {"variant": f.variant, "candidate": f.candidate, "file": _file(mine, f), "error": f.reason}
+            for f in units.failed
+        ],
+        "tables": {name: dataclasses.asdict(t) for name, t in units.tables.items()},
+    }
+
+
+def _file(tasks: list[CompileTask], failed: FailedUnit) -> str:
+    return next(t.file for t in tasks if t.vp.id == failed.variant and t.candidate == failed.candidate)
 
 
 def _plan_to_dict(vp: VariantPlan) -> dict[str, Any]:
@@ -233,10 +260,14 @@ def check_parts(parts: list[Part]) -> None:
         ):
             a, b = _get(first.record, key), _get(part.record, key)
             if a != b:
-                raise PartError(f"{part.path} and {first.path} come from different builds: their {what} differ ({_short(b)} vs {_short(a)})")
+                raise PartError(
+                    f"{part.path} and {first.path} come from different builds: their {what} differ ({_short(b)} vs {_short(a)})"
+                )
     counts = {p.shard[1] for p in parts}
     if len(counts) != 1:
-        raise PartError(f"the parts were cut into different numbers of shards: {', '.join(f'{p.path}: {p.shard[0]}/{p.shard[1]}' for p in parts)}")
+        raise PartError(
+            f"the parts were cut into different numbers of shards: {', '.join(f'{p.path}: {p.shard[0]}/{p.shard[1]}' for p in parts)}"
+        )
     n = counts.pop()
     seen: dict[int, Path] = {}
     for p in parts:
@@ -246,7 +277,9 @@ def check_parts(parts: list[Part]) -> None:
         seen[k] = p.path
     missing = [k for k in range(1, n + 1) if k not in seen]
     if missing:
-        raise PartError(f"shard(s) {', '.join(f'{k}/{n}' for k in missing)} missing: build them with --shard and give every part")
+        raise PartError(
+            f"shard(s) {', '.join(f'{k}/{n}' for k in missing)} missing: build them with --shard and give every part"
+        )
     if first.record["torch_version"] != torch.__version__:
         raise PartError(
             f"the parts were compiled with torch {first.record['torch_version']}, this host has {torch.__version__}: "
@@ -264,62 +297,76 @@ def assemble(
     expires: str | None = None,
 ) -> BuildResult:
     """Unite the parts of a sharded build into one artifact at ``output`` and check it as a whole."""
-    from .build import _check_expires
-
     progress = progress or Progress()
-    _check_expires(expires)
+    check_expires(expires)
     with progress.stage("parts", f"{len(part_paths)} part(s)"):
         parts = [read_part(p) for p in part_paths]
         check_parts(parts)
     profile_path = Path(profile) if profile is not None else Path(parts[0].record["profile"]["path"])
     if not profile_path.is_file():
         raise PartError(f"{profile_path}: the profile the parts were built from is not there; give it with --profile")
-    prepared = prepare(profile_path, progress)
-    if profile_digest(prepared) != parts[0].record["profile"]["sha256"]:
-        raise PartError(f"{profile_path} (or a file it names) is not the profile the parts were built from: it changed since")
-    if model_digest(prepared.model) != parts[0].record["model_sha256"]:
-        raise PartError(f"the model {prepared.loaded.profile.model.factory} resolves to other weights than the parts were built with")
-    expected = sorted(t.file for t in prepared.tasks())
-    if expected != parts[0].record["units"]:
-        raise PartError("this host plans other units than the parts hold (another torch, targets or plan): assemble where the parts were built alike")
-    if list(prepared.devices) != parts[0].record["devices"]:
-        raise PartError(f"the parts were built for {parts[0].record['devices']}, this host plans {list(prepared.devices)}")
-    target = Path(output) if output is not None else Path("artifacts") / prepared.loaded.profile.name
-    by_file = {t.file: t for t in prepared.tasks()}
+    ctx = prepare(profile_path, progress)
+    tasks = compile_tasks(ctx.variants, ctx.candidates)
+    _check_same_build(ctx, tasks, parts[0], profile_path)
+    target = Path(output) if output is not None else Path("artifacts") / ctx.profile.name
     staging = staging_folder(target)
     try:
         (staging / C.VARIANTS_DIR).mkdir()
-        compiled: dict[tuple[str, int], tuple[VariantPlan, CompiledPackage, float]] = {}
-        failed: dict[tuple[str, int], str] = {}
-        tables: dict[str, IndexTable] = {}
-        done: set[str] = set()
-        for part in parts:
-            for entry in part.record["built"]:
-                task = by_file.get(entry["file"])
-                if task is None or entry["file"] in done:
-                    raise PartError(f"{part.path}: unit {entry['file']} is not one this build plans, or another part holds it too")
-                done.add(entry["file"])
-                compiled[(task.vp.id, task.candidate)] = _unpack_unit(part, entry, staging)
-            for entry in part.record["failed"]:
-                done.add(entry["file"])
-                failed[(entry["variant"], int(entry["candidate"]))] = str(entry["error"])
-            for name, raw in part.record["tables"].items():
-                table = IndexTable(**raw)
-                if name not in tables or table.rows < tables[name].rows:
-                    tables[name] = table
-        missing = sorted(set(expected) - done)
-        if missing:
-            raise PartError(f"no part holds the unit(s) {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+        units = _unpack_parts(parts, tasks, staging)
         cuda = parts[0].record.get("cuda")
         if cuda is not None:
-            prepared.cuda = CudaInfo(**{**cuda, "archs": tuple(cuda["archs"])})
-        progress.note(f"assembling {len(compiled)} unit(s) from {len(parts)} part(s)")
-        return finish(prepared, compiled, tables, failed, staging, target, progress=progress, version=version, expires=expires)
+            ctx = dataclasses.replace(ctx, cuda=CudaInfo(**{**cuda, "archs": tuple(cuda["archs"])}))
+        progress.note(f"assembling {len(units.units)} unit(s) from {len(parts)} part(s)")
+        return finish(ctx, units, staging, target, progress=progress, version=version, expires=expires)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _unpack_unit(part: Part, entry: dict[str, Any], staging: Path) -> tuple[VariantPlan, CompiledPackage, float]:
+def _check_same_build(ctx: BuildContext, tasks: list[CompileTask], part: Part, profile_path: Path) -> None:
+    """This host prepares the build the parts come from: the same profile, model, units and targets."""
+    if profile_digest(ctx) != part.record["profile"]["sha256"]:
+        raise PartError(
+            f"{profile_path} (or a file it names) is not the profile the parts were built from: it changed since"
+        )
+    if model_digest(ctx.model) != part.record["model_sha256"]:
+        raise PartError(
+            f"the model {ctx.profile.model.factory} resolves to other weights than the parts were built with"
+        )
+    if sorted(t.file for t in tasks) != part.record["units"]:
+        raise PartError(
+            "this host plans other units than the parts hold (another torch, targets or plan): assemble where the parts were built alike"
+        )
+    if list(ctx.devices) != part.record["devices"]:
+        raise PartError(f"the parts were built for {part.record['devices']}, this host plans {list(ctx.devices)}")
+
+
+def _unpack_parts(parts: list[Part], tasks: list[CompileTask], staging: Path) -> CompiledUnits:
+    """Every part's packages in ``staging``, as the units a single-host build would have compiled."""
+    by_file = {t.file: t for t in tasks}
+    units: list[CompiledUnit] = []
+    failed: list[FailedUnit] = []
+    tables: dict[str, IndexTable] = {}
+    done: set[str] = set()
+    for part in parts:
+        for entry in part.record["built"]:
+            task = by_file.get(entry["file"])
+            if task is None or entry["file"] in done:
+                raise PartError(
+                    f"{part.path}: unit {entry['file']} is not one this build plans, or another part holds it too"
+                )
+            done.add(entry["file"])
+            units.append(_unpack_unit(part, entry, staging, task.candidate))
+        for entry in part.record["failed"]:
+            done.add(entry["file"])
+            failed.append(FailedUnit(entry["variant"], int(entry["candidate"]), str(entry["error"])))
+        tables = smallest_tables(tables, {name: IndexTable(**raw) for name, raw in part.record["tables"].items()})
+    missing = sorted(set(by_file) - done)
+    if missing:
+        raise PartError(f"no part holds the unit(s) {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+    return CompiledUnits(tuple(units), tuple(failed), tables)
+
+
+def _unpack_unit(part: Part, entry: dict[str, Any], staging: Path, candidate: int) -> CompiledUnit:
     src = part.path / C.VARIANTS_DIR / entry["file"]
     if not src.is_file():
         raise PartError(f"{part.path}: {C.VARIANTS_DIR}/{entry['file']} is missing")
@@ -335,7 +382,7 @@ def _unpack_unit(part: Part, entry: dict[str, Any], staging: Path) -> tuple[Vari
         if sorted(constants) != entry["constants"]:
             raise PartError(f"{file}: holds other constants than {PART_FILE} lists")
     pkg = CompiledPackage(dst, constants, dict(entry["metadata"]), bool(entry["embedded"]))
-    return _plan_from_dict(entry["variant"]), pkg, float(entry["seconds"])
+    return CompiledUnit(_plan_from_dict(entry["variant"]), pkg, float(entry["seconds"]), candidate)
 
 
 def _get(record: dict, key: tuple[str, ...]) -> Any:

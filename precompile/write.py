@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from loader import constants as C
 from loader.artifact import sha256_file
+from loader.fs import open_to_readers
 from loader.manifest import ConstantSpec, FileEntry
 
 from .errors import PrecompileError
@@ -32,9 +33,7 @@ def staging_folder(target: Path, *, marker: str = C.MANIFEST_FILE, what: str = "
 
 def write_weights(folder: Path, constants: dict[str, torch.Tensor]) -> dict[str, ConstantSpec]:
     save_file({k: v.contiguous() for k, v in constants.items()}, str(folder / C.WEIGHTS_FILE))
-    return {
-        k: ConstantSpec(str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in sorted(constants.items())
-    }
+    return {k: ConstantSpec(str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in sorted(constants.items())}
 
 
 def file_entries(folder: Path) -> dict[str, FileEntry]:
@@ -57,6 +56,7 @@ def write_manifest(folder: Path, text: str) -> None:
 
 def publish(staging: Path, target: Path) -> None:
     """Move the finished staging folder to ``target``, replacing an older artifact there."""
+    open_to_readers(staging)  # 0755/0644 under umask 022: built by CI, served by another user
     for path in staging.rglob("*"):
         if path.is_file():
             with open(path, "rb") as f:

@@ -41,7 +41,9 @@ class Child:
     """One child in its own process group; its stdout and stderr go to ``log`` (a temporary file when
     none is given, so that a grandchild holding the output open cannot keep a wait from ending)."""
 
-    def __init__(self, cmd: list[str], *, log: Path | None = None, env: dict | None = None, cwd: str | Path | None = None):
+    def __init__(
+        self, cmd: list[str], *, log: Path | None = None, env: dict | None = None, cwd: str | Path | None = None
+    ):
         self.cmd = cmd
         self.start = time.monotonic()
         self._own_log = log is None
@@ -53,7 +55,12 @@ class Child:
         self._log_file = open(log, "w")
         try:
             self.proc = subprocess.Popen(
-                cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                cmd,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
                 start_new_session=True,
             )
         except OSError:
@@ -137,7 +144,9 @@ def end_children_on_signal() -> None:
         signal.signal(sig, handler)
 
 
-def run_bounded(cmd: list[str], timeout_s: float, *, env: dict | None = None, cwd: str | Path | None = None, log: Path | None = None) -> Finished:
+def run_bounded(
+    cmd: list[str], timeout_s: float, *, env: dict | None = None, cwd: str | Path | None = None, log: Path | None = None
+) -> Finished:
     """Run ``cmd`` to its end or ``timeout_s``; a missing program is a Finished with returncode 127."""
     try:
         child = Child(cmd, log=log, env=env, cwd=cwd)

@@ -34,8 +34,8 @@ from loader.manifest import parse_manifest  # noqa: E402
 from loader.threads import cpu_allowance  # noqa: E402
 from precompile.cuda_targets import package_kernels  # noqa: E402
 from precompile.profile import load_profile  # noqa: E402
-from precompile.resolve import resolve_model  # noqa: E402
 from precompile.samples import make_inputs  # noqa: E402
+from precompile.stages.resolve import resolve_model  # noqa: E402
 
 # gpu-check's own judgement of agreement with float32 eager on the GPU: max abs error, relative to
 # the output's magnitude (the build's check is set loose for bf16; see gpu-check's BF16_BUILD_CHECK).
@@ -65,14 +65,19 @@ def facts(_: dict) -> dict:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "python": sys.version.split()[0],
-        "cpus": {"host": allowance.host, "affinity": allowance.affinity, "quota": allowance.quota, "usable": allowance.cpus},
+        "cpus": {
+            "host": allowance.host,
+            "affinity": allowance.affinity,
+            "quota": allowance.quota,
+            "usable": allowance.cpus,
+        },
         "memory_mib": _meminfo(),
         "bindings": binding_signatures(),
         "gpu_visible": torch.cuda.is_available(),
     }
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
-        out["capability"] = "%d.%d" % torch.cuda.get_device_capability(0)
+        out["capability"] = "{}.{}".format(*torch.cuda.get_device_capability(0))
         out["gpus"] = torch.cuda.device_count()
         out["gpu_memory_mib"] = torch.cuda.get_device_properties(0).total_memory >> 20
     return out
@@ -203,12 +208,24 @@ def cc_guard(p: dict) -> dict:
             except loader.IncompatibleArtifactError as e:
                 outcome, message = "refused", str(e)
             covered = runs_on(manifest, capability)
-            rows.append({"gpu": name, "capability": "%d.%d" % capability, "outcome": outcome, "covered": covered,
-                         "ok": (outcome == "loaded") == covered, **({"message": message} if message else {})})
+            rows.append(
+                {
+                    "gpu": name,
+                    "capability": "{}.{}".format(*capability),
+                    "outcome": outcome,
+                    "covered": covered,
+                    "ok": (outcome == "loaded") == covered,
+                    **({"message": message} if message else {}),
+                }
+            )
     finally:
         cuda_host.host_facts = real
-    return {"kernels": [str(k) for k in kernel_targets(manifest)], "recorded": bool(manifest.kernels),
-            "gpus": rows, "ok": all(r["ok"] for r in rows)}
+    return {
+        "kernels": [str(k) for k in kernel_targets(manifest)],
+        "recorded": bool(manifest.kernels),
+        "gpus": rows,
+        "ok": all(r["ok"] for r in rows),
+    }
 
 
 def kernels(p: dict) -> dict:
@@ -236,13 +253,21 @@ def kernels(p: dict) -> dict:
             for name in names:
                 target = Path(tmp) / Path(name).name
                 target.write_bytes(z.read(name))
-                out = subprocess.run([tool, "--list-elf", "--list-ptx", str(target)], capture_output=True, text=True, timeout=60)
+                out = subprocess.run(
+                    [tool, "--list-elf", "--list-ptx", str(target)], capture_output=True, text=True, timeout=60
+                )
                 listing = f"{name}:\n{out.stdout}{out.stderr}"[-1500:]
     recorded = sorted(manifest.cuda.kernels)
     seen = [set(r["kernels"]) for r in packages.values() if r["files"]]
     common = sorted(set.intersection(*seen)) if seen else []
-    return {"cuobjdump": tool, "recorded": recorded, "derived": [str(k) for k in kernel_targets(manifest.cuda)],
-            "packages": packages, "listing": listing, "ok": bool(recorded) and recorded == common}
+    return {
+        "cuobjdump": tool,
+        "recorded": recorded,
+        "derived": [str(k) for k in kernel_targets(manifest.cuda)],
+        "packages": packages,
+        "listing": listing,
+        "ok": bool(recorded) and recorded == common,
+    }
 
 
 BAD_CALLS = ("cpu_input", "seq_too_long", "float_ids", "id_past_table", "negative_id")
@@ -275,7 +300,12 @@ def bad_calls(p: dict) -> dict:
     out: dict[str, dict] = {}
     todo = list(BAD_CALLS)
     while todo:
-        proc = subprocess.run([sys.executable, "-c", BAD_CALL.format(path=p["artifact"]), *todo], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", BAD_CALL.format(path=p["artifact"]), *todo],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         for line in proc.stdout.splitlines():
             if line.startswith("{"):
                 row = json.loads(line)
@@ -283,7 +313,11 @@ def bad_calls(p: dict) -> dict:
         for case in list(todo):
             row = out.get(case)
             if row is None or row["outcome"] == "started":  # the process died on this case (or before it)
-                out[case] = {"outcome": "process died" if row else "not reached", "exit": proc.returncode, "stderr": proc.stderr[-600:]}
+                out[case] = {
+                    "outcome": "process died" if row else "not reached",
+                    "exit": proc.returncode,
+                    "stderr": proc.stderr[-600:],
+                }
                 todo = todo[todo.index(case) + 1 :]
                 break
             row["exit"] = 0
@@ -323,7 +357,9 @@ def cold_start(p: dict) -> dict:
 
     def run(code: str, env: dict) -> float:
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240
+        )
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-2000:])
         return time.perf_counter() - start

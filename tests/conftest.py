@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from precompile.build import build
 from precompile.cli import main
+from precompile.pipeline import build
 
 MODELS = Path(__file__).parent / "models" / "tiny.py"
 
@@ -130,7 +130,7 @@ def classifier_versions(classifier_artifact, tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="session")
 def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
     """An Ed25519 key pair made by `precompile keygen`: (private .key, public .pub)."""
-    from precompile.ship import keygen
+    from precompile.ship.sign import keygen
 
     private, public, _ = keygen(tmp_path_factory.mktemp("keys") / "release")
     return private, public
@@ -139,6 +139,6 @@ def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def classifier_pack(classifier_artifact, tmp_path_factory) -> Path:
     """The classifier artifact as an unsigned pack (`precompile pack`)."""
-    from precompile.ship import pack
+    from precompile.ship.pack import pack
 
     return pack(classifier_artifact, tmp_path_factory.mktemp("packs") / "classifier.tar.zst")

@@ -52,7 +52,10 @@ class Node:
         ray_cli = Path(sys.executable).with_name("ray")
         self.process = subprocess.Popen(
             [str(ray_cli), "start", "--block", "--disable-usage-stats", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
 
     def wait_started(self, timeout: float = 60) -> None:
@@ -91,13 +94,29 @@ class LocalRayCluster:
         cpus = ["--num-cpus", str(self.cpus)]
         try:
             head = Node(
-                ["--head", "--node-ip-address", "127.0.0.2", "--port", str(port), "--temp-dir", temp, "--include-dashboard", "false", *cpus],
-                env, self.folder / "head.log",
+                [
+                    "--head",
+                    "--node-ip-address",
+                    "127.0.0.2",
+                    "--port",
+                    str(port),
+                    "--temp-dir",
+                    temp,
+                    "--include-dashboard",
+                    "false",
+                    *cpus,
+                ],
+                env,
+                self.folder / "head.log",
             )
             self.running.append(head)
             head.wait_started()
             for i in range(1, self.nodes):
-                node = Node(["--address", self.address, "--node-ip-address", f"127.0.0.{2 + i}", *cpus], env, self.folder / f"node{i}.log")
+                node = Node(
+                    ["--address", self.address, "--node-ip-address", f"127.0.0.{2 + i}", *cpus],
+                    env,
+                    self.folder / f"node{i}.log",
+                )
                 self.running.append(node)
                 node.wait_started()
         except BaseException:

@@ -41,14 +41,21 @@ def test_recorded_forms_of_other_releases():
 
 
 def test_a_form_the_loader_does_not_know_is_a_clear_error():
-    unknown = tuple(parse_signatures("load_constants", "load_constants(self: X, constants: dict[str, torch.Tensor]) -> None"))
-    with pytest.raises(IncompatibleArtifactError, match=r"load_constants has a form this loader does not know \(load_constants\(constants\)\)"):
+    unknown = tuple(
+        parse_signatures("load_constants", "load_constants(self: X, constants: dict[str, torch.Tensor]) -> None")
+    )
+    with pytest.raises(
+        IncompatibleArtifactError,
+        match=r"load_constants has a form this loader does not know \(load_constants\(constants\)\)",
+    ):
         constants_call(unknown)
     with pytest.raises(IncompatibleArtifactError, match="no documented signature"):
         constants_call(())
 
 
 def test_defaults_and_nested_brackets_are_parsed():
-    (sig,) = parse_signatures("f", "f(self: X, a: dict[str, tuple[int, int]], b: bool = False, c: str = 'x, y') -> None")
+    (sig,) = parse_signatures(
+        "f", "f(self: X, a: dict[str, tuple[int, int]], b: bool = False, c: str = 'x, y') -> None"
+    )
     assert sig.names() == ("a", "b", "c")
     assert [p.default for p in sig.params] == [None, "False", "'x, y'"]

@@ -16,9 +16,9 @@ import loader
 from loader.batch_plan import BatchPlan, aim, batch_plan
 from loader.errors import ArtifactError
 from loader.manifest import parse_manifest
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
 from precompile.serve.app import create_app
 from precompile.serve.config import ServeConfig
@@ -67,9 +67,15 @@ def problems(tmp_path, text: str) -> list[str]:
     [
         ("batching: {dim: rows}", "batching.dim: unknown dim 'rows' (known: batch, seq)"),
         ("batching: {pad: [seq, sq]}", "batching.pad[1]: unknown dim 'sq' (known: batch, seq)"),
-        ("batching: {pad: [batch]}", "batching.pad[0]: 'batch' is the batch dim; pad lists the other dims calls may differ in"),
+        (
+            "batching: {pad: [batch]}",
+            "batching.pad[0]: 'batch' is the batch dim; pad lists the other dims calls may differ in",
+        ),
         ("batching: {pad: [seq], pad_value: {idz: 0}}", "batching.pad_value.idz: unknown input (inputs: ids, mask)"),
-        ("batching: {pad_value: {mask: 0}}", "batching.pad_value.mask: input 'mask' has none of the padded dims (none listed)"),
+        (
+            "batching: {pad_value: {mask: 0}}",
+            "batching.pad_value.mask: input 'mask' has none of the padded dims (none listed)",
+        ),
         ("batching: {pad: [seq], pad_value: {mask: 2}}", "batching.pad_value.mask: 2: a bool input pads with 0 or 1"),
         (
             "batching: {pad: [seq], pad_value: {ids: -1}}",
@@ -83,10 +89,14 @@ def test_mistakes_in_the_section_are_reported_at_their_place(tmp_path, section, 
 
 
 def test_the_batch_dim_must_be_on_every_input_and_output(tmp_path):
-    text = with_batching("batching: {pad: [seq]}").replace(
-        "  mask: {shape: [batch, seq], dtype: bool, range: [1, 1]}\n",
-        "  mask: {shape: [batch, seq], dtype: bool, range: [1, 1]}\n  scale: {shape: [4], dtype: float32}\n",
-    ).replace("  - {shape: [batch, 16]}", "  - {shape: [16]}")
+    text = (
+        with_batching("batching: {pad: [seq]}")
+        .replace(
+            "  mask: {shape: [batch, seq], dtype: bool, range: [1, 1]}\n",
+            "  mask: {shape: [batch, seq], dtype: bool, range: [1, 1]}\n  scale: {shape: [4], dtype: float32}\n",
+        )
+        .replace("  - {shape: [batch, 16]}", "  - {shape: [16]}")
+    )
     assert problems(tmp_path, text) == [
         "batching.dim: input 'scale' (shape [4]) has 'batch' on no axis; every input needs it on exactly one axis",
         "batching.dim: outputs[1] (shape [16]) follows 'batch' on no axis; each caller's rows are cut from exactly one axis of every output",
@@ -94,7 +104,9 @@ def test_the_batch_dim_must_be_on_every_input_and_output(tmp_path):
 
 
 def test_the_section_needs_outputs(tmp_path):
-    text = with_batching("batching: {pad: [seq]}").replace("outputs:\n  - {shape: [batch, seq, 16]}\n  - {shape: [batch, 16]}\n", "")
+    text = with_batching("batching: {pad: [seq]}").replace(
+        "outputs:\n  - {shape: [batch, seq, 16]}\n  - {shape: [batch, 16]}\n", ""
+    )
     assert problems(tmp_path, text) == [
         "batching: needs `outputs:` to say which output axes follow the batch dim and the padded dims"
     ]
@@ -125,7 +137,10 @@ def test_the_build_refuses_padding_that_changes_the_outputs(tmp_path):
         build(profile, tmp_path / "artifact")
     [(place, message)] = raised.value.problems
     assert place == "batching.pad[0]"
-    assert re.match(r"padding seq from \d+ to 32 \(pad values ids=0, mask=0\) changes output 0 \(outputs\[0\]: \['batch', 3\]\)", message)
+    assert re.match(
+        r"padding seq from \d+ to 32 \(pad values ids=0, mask=0\) changes output 0 \(outputs\[0\]: \['batch', 3\]\)",
+        message,
+    )
     assert "max abs error" in message and "its pad value must be 0 (batching.pad_value)" in message
     assert "remove 'seq' from batching.pad" in message
     assert not (tmp_path / "artifact").exists()
@@ -205,9 +220,18 @@ def test_a_manifest_without_the_section_still_loads(encoder_artifact, tmp_path):
     "change, expected",
     [
         (lambda b: b.update(dim="rows"), "batching.dim: 'rows' is not a dim of this artifact"),
-        (lambda b: b.update(pad=["batch"]), "batching.pad[0]: 'batch' is not a dim of this artifact other than the batch dim"),
-        (lambda b: b["pad_value"].pop("mask"), "batching.pad_value: must give a value for exactly the inputs ['ids', 'mask']"),
-        (lambda b: b["pad_value"].update(ids=50), "batching.pad_value.ids: 50 is outside the input's value range [0, 49]"),
+        (
+            lambda b: b.update(pad=["batch"]),
+            "batching.pad[0]: 'batch' is not a dim of this artifact other than the batch dim",
+        ),
+        (
+            lambda b: b["pad_value"].pop("mask"),
+            "batching.pad_value: must give a value for exactly the inputs ['ids', 'mask']",
+        ),
+        (
+            lambda b: b["pad_value"].update(ids=50),
+            "batching.pad_value.ids: 50 is outside the input's value range [0, 49]",
+        ),
         (lambda b: b.update(extra=1), "batching: unknown key(s) ['extra']"),
     ],
 )
@@ -282,8 +306,18 @@ def test_v2_infer_is_counted_in_the_request_metrics(classifier_artifact):
     def infer(ids: list, mask: list) -> dict:
         return {
             "inputs": [
-                {"name": "ids", "shape": [len(ids), len(ids[0])], "datatype": "INT64", "data": [v for row in ids for v in row]},
-                {"name": "mask", "shape": [len(mask), len(mask[0])], "datatype": "BOOL", "data": [v for row in mask for v in row]},
+                {
+                    "name": "ids",
+                    "shape": [len(ids), len(ids[0])],
+                    "datatype": "INT64",
+                    "data": [v for row in ids for v in row],
+                },
+                {
+                    "name": "mask",
+                    "shape": [len(mask), len(mask[0])],
+                    "datatype": "BOOL",
+                    "data": [v for row in mask for v in row],
+                },
             ]
         }
 
@@ -316,7 +350,9 @@ def test_the_load_generators_request_is_a_valid_v2_infer_call(encoder_artifact, 
     raw = infer_request(json.loads((encoder_artifact / "manifest.json").read_text()), {"batch": 1, "seq": 16}, port=1)
     head, body = raw.split(b"\r\n\r\n", 1)
     headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
-    assert head.startswith(b"POST /v2/models/tiny-encoder/infer HTTP/1.1") and int(headers["Content-Length"]) == len(body)
+    assert head.startswith(b"POST /v2/models/tiny-encoder/infer HTTP/1.1") and int(headers["Content-Length"]) == len(
+        body
+    )
     parsed = parse_infer_request(body, headers["Inference-Header-Content-Length"], encoder.manifest)
     assert parsed.binary_all and parsed.inputs["ids"].shape == (1, 16) and bool(parsed.inputs["mask"].all())
     encoder(**parsed.inputs)  # within every guard

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from bench.cases import QUICK
-from bench.peers import LABELS, METHODS as PEERS, TOLERANCE
+from bench.peers import LABELS, TOLERANCE
+from bench.peers import METHODS as PEERS
 from bench.report import weighted_mean
 from bench.steady import percentile
 from bench.workload import all_buckets, bucket_for, cut, draw, inputs_for, pad, read_profile
@@ -92,7 +93,12 @@ def test_a_model_that_does_not_export_to_onnx_is_a_failed_peer_with_its_reason(t
     from precompile.profile import Profile
 
     profile = Profile.model_validate(
-        {"name": "t", "model": {"factory": "m:f"}, "inputs": {"x": {"shape": ["batch", 4], "dtype": "float32"}}, "dims": {"batch": {"min": 1, "max": 8}}}
+        {
+            "name": "t",
+            "model": {"factory": "m:f"},
+            "inputs": {"x": {"shape": ["batch", 4], "dtype": "float32"}},
+            "dims": {"batch": {"min": 1, "max": 8}},
+        }
     )
     result = export_onnx(DataDependent(), profile, tmp_path / "model.onnx")
     assert result["failed"].startswith("torch.onnx.export: TorchExportError")
@@ -126,7 +132,16 @@ def synthetic_results() -> dict:
     cold["ONNX Runtime"]["marks"] = {"model ready": 0.5}  # a peer never imports torch
     cold["OpenVINO"]["precision"] = "bf16"
     cold["OpenVINO (f32)"] = {"failed": "it did not start"}
-    methods = ["eager", "compile", "buckets-eager", "buckets-compile", "precompile-dynamic", "precompile-planned", "onnxruntime", "openvino"]
+    methods = [
+        "eager",
+        "compile",
+        "buckets-eager",
+        "buckets-compile",
+        "precompile-dynamic",
+        "precompile-planned",
+        "onnxruntime",
+        "openvino",
+    ]
     work = [4, 8, 16, 32, 64, 64]
     steady = {
         m: {
@@ -161,7 +176,14 @@ def synthetic_results() -> dict:
         "cold_shape": {"batch": 1, "seq": 16},
         "builds": {"planned": build, "dynamic": build},
         "cold_start": cold,
-        "overhead": {"variant": "dynamic", "raw_us": 100.0, "loader_us": 106.0, "overhead_us": 6.0, "select_us": 4.0, "shape": {"batch": 1}},
+        "overhead": {
+            "variant": "dynamic",
+            "raw_us": 100.0,
+            "loader_us": 106.0,
+            "overhead_us": 6.0,
+            "select_us": 4.0,
+            "shape": {"batch": 1},
+        },
         "requests": [{"batch": w} for w in work],
         "work": work,
         "work_unit": "batch",
@@ -178,7 +200,13 @@ def synthetic_results() -> dict:
         "versions": {"python": "3.11", "torch": torch.__version__},
         "date": "today",
     }
-    return {"mode": "quick", "machine": machine, "sizes": {"runs": 2, "requests": 6, "warmup": 1}, "cases": {"made-up": case}, "seconds": 60.0}
+    return {
+        "mode": "quick",
+        "machine": machine,
+        "sizes": {"runs": 2, "requests": 6, "warmup": 1},
+        "cases": {"made-up": case},
+        "seconds": 60.0,
+    }
 
 
 def test_report_writes_json_markdown_and_charts(tmp_path):
@@ -224,7 +252,15 @@ def test_quick_run_writes_results_and_every_method_matches_eager(tmp_path):
     }
     assert all(r.get("correct") for r in case["cold_start"].values()), case["cold_start"]
     assert case["cold_start"]["OpenVINO (f32)"]["precision"] == "f32"
-    steady_methods = {"eager", "compile", "buckets-eager", "buckets-compile", "precompile-dynamic", "precompile-planned", *PEERS}
+    steady_methods = {
+        "eager",
+        "compile",
+        "buckets-eager",
+        "buckets-compile",
+        "precompile-dynamic",
+        "precompile-planned",
+        *PEERS,
+    }
     assert set(case["steady"]) == steady_methods
     for method, r in case["steady"].items():
         assert len(r["latency_ms"]) == results["sizes"]["requests"], method

@@ -10,12 +10,12 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import CheckError, ExportError
+from precompile.pipeline import build
 from precompile.profile import load_profile
-from precompile.resolve import resolve_model
 from precompile.samples import make_inputs
+from precompile.stages.resolve import resolve_model
 
 from .conftest import write_profile
 
@@ -48,8 +48,11 @@ def test_compiled_matches_eager_on_random_shapes_and_range_ends(classifier_artif
     eager = resolve_model(loaded)
     model = loader.load(classifier_artifact)
     shapes = [(1, 2), (8, 48), (1, 48), (8, 2)] + [
-        (int(b), int(s)) for b, s in zip(torch.randint(1, 9, (8,), generator=torch.Generator().manual_seed(3)),
-                                          torch.randint(2, 49, (8,), generator=torch.Generator().manual_seed(4)))
+        (int(b), int(s))
+        for b, s in zip(
+            torch.randint(1, 9, (8,), generator=torch.Generator().manual_seed(3)),
+            torch.randint(2, 49, (8,), generator=torch.Generator().manual_seed(4)),
+        )
     ]
     assert len(shapes) >= 10
     for batch, seq in shapes:
@@ -81,12 +84,15 @@ def test_check_failure_leaves_previous_artifact_untouched(tmp_path, structured_a
     target = tmp_path / "artifact"
     shutil.copytree(structured_artifact, target)
     before = {p.name: p.read_bytes() for p in target.rglob("*") if p.is_file()}
-    profile = write_profile(tmp_path, """
+    profile = write_profile(
+        tmp_path,
+        """
         name: noisy
         model: {factory: "tiny:noisy"}
         inputs: {x: {shape: [batch, 8], dtype: float32}}
         dims: {batch: {min: 1, max: 4}}
-    """)
+    """,
+    )
     with pytest.raises(CheckError, match="compiled differs from eager beyond tolerance"):
         build(profile, target)
     assert {p.name: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
@@ -94,12 +100,15 @@ def test_check_failure_leaves_previous_artifact_untouched(tmp_path, structured_a
 
 
 def test_export_failure_names_dim_and_leaves_nothing(tmp_path):
-    profile = write_profile(tmp_path, """
+    profile = write_profile(
+        tmp_path,
+        """
         name: specializes
         model: {factory: "tiny:specializes"}
         inputs: {x: {shape: [batch, seq], dtype: float32}}
         dims: {batch: {min: 1, max: 4}, seq: {min: 2, max: 32, hint: 16}}
-    """)
+    """,
+    )
     with pytest.raises(ExportError) as info:
         build(profile, tmp_path / "out")
     text = str(info.value)
@@ -110,12 +119,15 @@ def test_export_failure_names_dim_and_leaves_nothing(tmp_path):
 
 
 def test_data_dependent_control_flow_is_explained(tmp_path):
-    profile = write_profile(tmp_path, """
+    profile = write_profile(
+        tmp_path,
+        """
         name: branchy
         model: {factory: "tiny:data_dependent"}
         inputs: {x: {shape: [batch, 8], dtype: float32}}
         dims: {batch: {min: 1, max: 4}}
-    """)
+    """,
+    )
     result = CliRunner().invoke(main, ["build", str(profile), "-o", str(tmp_path / "out")], catch_exceptions=False)
     assert result.exit_code == 1
     assert "torch.export failed" in result.output
@@ -127,19 +139,24 @@ def test_refuses_to_replace_a_folder_that_is_not_an_artifact(tmp_path):
     target = tmp_path / "precious"
     target.mkdir()
     (target / "notes.txt").write_text("keep me")
-    profile = write_profile(tmp_path, """
+    profile = write_profile(
+        tmp_path,
+        """
         name: x
         model: {factory: "tiny:structured"}
         inputs: {x: {shape: [batch, 8], dtype: float32}}
         dims: {batch: {min: 1, max: 4}}
-    """)
+    """,
+    )
     result = CliRunner().invoke(main, ["build", str(profile), "-o", str(target)], catch_exceptions=False)
     assert result.exit_code == 1 and "is not a precompile artifact; refusing to replace it" in result.output
     assert (target / "notes.txt").read_text() == "keep me"
 
 
 def test_measure_drops_static_variants_that_do_not_pay(tmp_path):
-    profile = write_profile(tmp_path, """
+    profile = write_profile(
+        tmp_path,
+        """
         name: measured
         model: {factory: "tiny:structured"}
         inputs: {x: {shape: [batch, 8], dtype: float32}}
@@ -147,15 +164,19 @@ def test_measure_drops_static_variants_that_do_not_pay(tmp_path):
         distribution: {shapes: [{batch: 4, count: 10}]}
         plan: {measure: true, min_speedup: 1000.0}
         check: {random_shapes: 1}
-    """)
+    """,
+    )
     result = build(profile, tmp_path / "out", jobs=1)
     (entry,) = result.measured
-    assert entry["variant"] == "static-0" and entry["against"] == "dynamic" and not entry["kept"]
-    assert entry["static_ms"] > 0 and entry["dynamic_ms"] > 0
+    assert entry.variant == "static-0" and entry.against == "dynamic" and not entry.kept
+    assert entry.static_ms > 0 and entry.dynamic_ms > 0
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert [v["id"] for v in manifest["variants"]] == ["dynamic"]
-    assert "variants/static-0.pt2" not in manifest["files"] and not (tmp_path / "out" / "variants" / "static-0.pt2").exists()
-    assert manifest["check"]["measure"][0]["speedup"] == entry["speedup"]
+    assert (
+        "variants/static-0.pt2" not in manifest["files"]
+        and not (tmp_path / "out" / "variants" / "static-0.pt2").exists()
+    )
+    assert manifest["check"]["measure"][0]["speedup"] == entry.speedup
     assert loader.load(tmp_path / "out")(torch.ones(4, 8))["hidden"].shape == (4, 4)
 
 

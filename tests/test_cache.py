@@ -108,7 +108,10 @@ def test_processes_loading_the_same_pack_at_once_unpack_it_once(classifier_pack,
     monkeypatch.setattr(loader.cache, "unpack", slow_unpack)
     ctx = multiprocessing.get_context("fork")
     barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_open_in_child, args=(str(classifier_pack), str(tmp_path), barrier, results)) for _ in range(4)]
+    procs = [
+        ctx.Process(target=_open_in_child, args=(str(classifier_pack), str(tmp_path), barrier, results))
+        for _ in range(4)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -133,7 +136,9 @@ def _die_mid_unpack(pack: str, root: str) -> None:
 
 
 def test_a_process_killed_mid_unpack_leaves_nothing_a_later_load_trusts(classifier_pack, tmp_path):
-    child = multiprocessing.get_context("fork").Process(target=_die_mid_unpack, args=(str(classifier_pack), str(tmp_path)))
+    child = multiprocessing.get_context("fork").Process(
+        target=_die_mid_unpack, args=(str(classifier_pack), str(tmp_path))
+    )
     child.start()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL
@@ -172,7 +177,12 @@ def test_cache_ls_and_clear(classifier_pack, tmp_path):
     assert "1 artifact(s)" in result.output and "tiny-classifier" in result.output and digest[:16] in result.output
     result = runner.invoke(main, ["cache", "clear"], env=env, catch_exceptions=False)
     assert result.exit_code == 0 and "removed 1 artifact(s)" in result.output
-    assert [f for f in cache_files(tmp_path / "cache") if not f.startswith("locks/")] == ["CACHEDIR.TAG", "artifacts", "locks", "tmp"]
+    assert [f for f in cache_files(tmp_path / "cache") if not f.startswith("locks/")] == [
+        "CACHEDIR.TAG",
+        "artifacts",
+        "locks",
+        "tmp",
+    ]
     assert loader.load(classifier_pack, cache_dir=tmp_path / "cache").path.is_dir()  # and it fills again
 
 

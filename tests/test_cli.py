@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from precompile import __version__
 from precompile.cli import main
 
-COMMANDS = sorted(main.commands)
+COMMANDS = main.list_commands(None)
 
 
 def invoke(*args: str):
@@ -21,7 +21,7 @@ def invoke(*args: str):
 def test_every_command_has_help(command):
     result = invoke(command, "--help")
     assert result.exit_code == 0
-    first_line = main.commands[command].help.split("\n")[0]
+    first_line = main.get_command(None, command).help.split("\n")[0]
     assert " ".join(first_line.split()) in " ".join(result.output.split())
 
 
@@ -42,6 +42,20 @@ def test_inspect_shows_inputs_ranges_and_files(classifier_artifact):
     assert "variants/dynamic.pt2" in result.output and "weights.safetensors" in result.output
 
 
+def test_inspect_lists_the_outputs_and_the_dims_their_axes_follow(tagger_build, structured_artifact):
+    result = invoke("inspect", str(tagger_build.path))
+    assert result.exit_code == 0
+    assert "outputs   (tuple)\n  output.0     [batch, seq, ·]\n  output.1     [batch, ·]\n" in result.output
+    result = invoke("inspect", str(structured_artifact))
+    names = json.loads((structured_artifact / "manifest.json").read_text())["output"]
+    assert (
+        result.exit_code == 0
+        and f"outputs   ({names['kind']})" in result.output
+        and "(axes not recorded)" in result.output
+    )
+    assert "  hidden " in result.output and "  pair.0 " in result.output and "  pair.1 " in result.output
+
+
 def test_inspect_json_is_the_manifest(classifier_artifact):
     result = invoke("inspect", str(classifier_artifact), "--json")
     assert json.loads(result.output) == json.loads((classifier_artifact / "manifest.json").read_text())
@@ -56,4 +70,6 @@ def test_inspect_missing_artifact_is_a_clean_error(tmp_path):
 def test_inspect_reads_a_pack_without_unpacking_it(classifier_pack, classifier_artifact):
     result = invoke("inspect", str(classifier_pack), "--json")
     assert result.exit_code == 0
-    assert json.loads(result.output)["files"] == json.loads((classifier_artifact / "manifest.json").read_text())["files"]
+    assert (
+        json.loads(result.output)["files"] == json.loads((classifier_artifact / "manifest.json").read_text())["files"]
+    )

@@ -17,9 +17,9 @@ import loader
 from loader import IncompatibleArtifactError
 from loader.cuda import CodeObject, CudaFacts, cuda_problems, derived_kernels, parse_device, runs_on
 from loader.manifest import CudaInfo, parse_manifest
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
 
 from .conftest import STRUCTURED_PROFILE, write_profile
@@ -37,7 +37,10 @@ B200_FACTS = CudaFacts("12.8", ((10, 0),), ("NVIDIA B200",))
 
 
 def test_profile_accepts_cuda_options_and_target_lists(tmp_path):
-    text = STRUCTURED + "target: [cpu, cuda]\ncuda: {dtype: bfloat16, arch: ['9.0'], multi_arch: true, cuda_graphs: true}\n"
+    text = (
+        STRUCTURED
+        + "target: [cpu, cuda]\ncuda: {dtype: bfloat16, arch: ['9.0'], multi_arch: true, cuda_graphs: true}\n"
+    )
     profile = load_profile(write_profile(tmp_path, text)).profile
     assert profile.targets == ("cpu", "cuda")
     assert profile.cuda.dtype == "bfloat16" and profile.cuda.cuda_graphs
@@ -50,9 +53,7 @@ def test_profile_refuses_bad_cuda_options(tmp_path):
         load_profile(write_profile(tmp_path / "b", STRUCTURED + "cuda: {arch: ['sm90']}\n"))
 
 
-@pytest.mark.parametrize(
-    "device, parsed", [("cpu", ("cpu", None)), ("cuda", ("cuda", 0)), ("cuda:1", ("cuda", 1))]
-)
+@pytest.mark.parametrize("device, parsed", [("cpu", ("cpu", None)), ("cuda", ("cuda", 0)), ("cuda:1", ("cuda", 1))])
 def test_parse_device(device, parsed):
     assert parse_device(device) == parsed
 
@@ -68,7 +69,9 @@ A100_PTX = CudaInfo(torch_cuda="12.8", capability="8.0", archs=("8.0",), multi_a
 
 
 def recorded(*kernels: str) -> CudaInfo:
-    return CudaInfo(torch_cuda="13.0", capability="9.0", archs=("9.0",), multi_arch=True, cuda_graphs=False, kernels=kernels)
+    return CudaInfo(
+        torch_cuda="13.0", capability="9.0", archs=("9.0",), multi_arch=True, cuda_graphs=False, kernels=kernels
+    )
 
 
 def test_sass_runs_on_same_major_and_newer_minor_only():
@@ -215,7 +218,9 @@ def test_mixed_build_without_a_gpu_builds_the_cpu_target(tmp_path, capsys):
         def note(self, text):
             notes.append(text)
 
-    path = write_profile(tmp_path, STRUCTURED.replace("max: 32", "max: 4") + "target: [cpu, cuda]\ncheck: {random_shapes: 1}\n")
+    path = write_profile(
+        tmp_path, STRUCTURED.replace("max: 32", "max: 4") + "target: [cpu, cuda]\ncheck: {random_shapes: 1}\n"
+    )
     result = build(path, tmp_path / "out", progress=Record(), jobs=1)
     assert any("target cuda needs a CUDA GPU" in n and "building cpu only" in n for n in notes)
     assert {v.device for v in result.manifest.variants} == {"cpu"} and result.manifest.cuda is None
@@ -223,7 +228,10 @@ def test_mixed_build_without_a_gpu_builds_the_cpu_target(tmp_path, capsys):
 
 @needs_cuda
 def test_cuda_build_load_and_graphs(tmp_path):
-    path = write_profile(tmp_path, STRUCTURED + "target: cuda\ncuda: {cuda_graphs: true}\ndistribution: {shapes: [{batch: 4, count: 9}]}\n")
+    path = write_profile(
+        tmp_path,
+        STRUCTURED + "target: cuda\ncuda: {cuda_graphs: true}\ndistribution: {shapes: [{batch: 4, count: 9}]}\n",
+    )
     result = build(path, tmp_path / "out", jobs=1)
     model = loader.load(result.path, device="cuda:0")
     model.warmup()
@@ -277,7 +285,10 @@ def test_graph_replays_from_concurrent_callers_never_exchange_results():
 def test_a_static_variant_serves_concurrent_callers_their_own_results(tmp_path, warm):
     from concurrent.futures import ThreadPoolExecutor
 
-    path = write_profile(tmp_path, STRUCTURED + "target: cuda\ncuda: {cuda_graphs: true}\ndistribution: {shapes: [{batch: 4, count: 9}]}\n")
+    path = write_profile(
+        tmp_path,
+        STRUCTURED + "target: cuda\ncuda: {cuda_graphs: true}\ndistribution: {shapes: [{batch: 4, count: 9}]}\n",
+    )
     model = loader.load(build(path, tmp_path / "out", jobs=1).path, device="cuda:0")
     if warm:
         model.warmup()
@@ -364,10 +375,7 @@ def ptx_fixture(target: str) -> str:
 
 
 # cuobjdump --list-elf --list-ptx of a fatbin Inductor built with nvcc -fatbin on a Hopper (CUDA 13).
-CUOBJDUMP_HOPPER = (
-    "ELF file    1: cukxyz7a2b.1.sm_90a.cubin\n"
-    "PTX file    1: cukxyz7a2b.1.sm_90a.ptx\n"
-)
+CUOBJDUMP_HOPPER = "ELF file    1: cukxyz7a2b.1.sm_90a.cubin\nPTX file    1: cukxyz7a2b.1.sm_90a.ptx\n"
 # ... of a binary holding SASS for 8.0 and only SASS (no PTX inside).
 CUOBJDUMP_SASS_ONLY = (
     "ELF file    1: kernels.1.sm_80.cubin\n"
@@ -383,8 +391,9 @@ def test_ptx_and_cuobjdump_listings_give_the_kernel_targets():
     assert ptx_targets("// .target sm_90a in a comment\n.version 8.7\n") == set()
     assert cuobjdump_targets(CUOBJDUMP_HOPPER) == {"sm_90a", "compute_90a"}
     assert cuobjdump_targets(CUOBJDUMP_SASS_ONLY) == {"sm_80"}
-    assert cuobjdump_targets("ELF file    1: _core.abi3.1.sm_75.cubin\nELF file    2: _core.abi3.2.sm_120.cubin\nPTX file    1: _core.abi3.1.sm_120.ptx\n") == {
-        "sm_75", "sm_120", "compute_120"}
+    assert cuobjdump_targets(
+        "ELF file    1: _core.abi3.1.sm_75.cubin\nELF file    2: _core.abi3.2.sm_120.cubin\nPTX file    1: _core.abi3.1.sm_120.ptx\n"
+    ) == {"sm_75", "sm_120", "compute_120"}
 
 
 def fake_package(path, members: dict[str, bytes]):

@@ -11,8 +11,8 @@ import torch
 
 import loader
 from loader import GuardError
-from precompile.plan import read_distribution
 from precompile.profile import load_profile
+from precompile.traffic import read_distribution
 
 from .conftest import write_profile
 from .models.tiny import tagger
@@ -37,7 +37,10 @@ def inputs(batch, seq, real=None, seed=0):
 
 def test_artifact_holds_the_planned_variants(tagger_build, model):
     assert [(v.id, v.kind) for v in model.variants] == [
-        ("static-0", "static"), ("static-1", "static"), ("dynamic-0", "dynamic"), ("dynamic-1", "dynamic"),
+        ("static-0", "static"),
+        ("static-1", "static"),
+        ("dynamic-0", "dynamic"),
+        ("dynamic-1", "dynamic"),
     ]
     manifest = json.loads((tagger_build.path / "manifest.json").read_text())
     assert manifest["variants"][0]["dims"] == {"batch": [1, 1], "seq": [16, 16]}
@@ -57,7 +60,14 @@ def test_weights_are_stored_once_for_all_variants(tagger_build):
 
 @pytest.mark.parametrize(
     "batch, seq, variant",
-    [(1, 16, "static-0"), (2, 8, "static-1"), (3, 10, "dynamic-0"), (2, 16, "dynamic-0"), (1, 17, "dynamic-1"), (8, 32, "dynamic-1")],
+    [
+        (1, 16, "static-0"),
+        (2, 8, "static-1"),
+        (3, 10, "dynamic-0"),
+        (2, 16, "dynamic-0"),
+        (1, 17, "dynamic-1"),
+        (8, 32, "dynamic-1"),
+    ],
 )
 def test_calls_land_on_the_expected_variant(model, eager, batch, seq, variant):
     ids, mask = inputs(batch, seq)
@@ -66,6 +76,20 @@ def test_calls_land_on_the_expected_variant(model, eager, batch, seq, variant):
     want_tokens, want_pooled = eager(ids, mask)
     torch.testing.assert_close(tokens, want_tokens.detach())
     torch.testing.assert_close(pooled, want_pooled.detach())
+
+
+def test_select_answers_with_the_policys_plan_for_a_call_it_serves(model):
+    ids, mask = inputs(19, 12, seed=1)
+    plan = model.select(ids, mask)
+    assert plan.id == model.call_detailed(ids, mask)[1] == "dynamic-0"
+    assert plan.policies == (("batch", "split"),)
+    assert [(sizes, v.id) for sizes, v in plan.pieces] == [({"batch": b, "seq": 12}, "dynamic-0") for b in (7, 6, 6)]
+    ids, mask = inputs(2, 3)
+    plan = model.select(ids, mask)
+    assert plan.policies == (("seq", "pad"),) and [s for s, _ in plan.pieces] == [{"batch": 2, "seq": 4}]
+    assert plan.id == model.call_detailed(ids, mask)[1]
+    with pytest.raises(GuardError, match="its policy is pad, which only serves sizes below 4"):
+        model.select(*inputs(1, 33))  # what the call itself raises
 
 
 def test_split_policy_cuts_batch_and_concatenates(model, eager):
@@ -115,7 +139,9 @@ def test_stats_count_calls_per_variant_and_shapes(tagger_build, tmp_path):
 
     # The histogram is what a profile's distribution.file reads: the next build sees this traffic.
     (tmp_path / "traffic.jsonl").write_text("".join(json.dumps(s) + "\n" for s in stats["shapes"]))
-    profile = write_profile(tmp_path, """
+    profile = write_profile(
+        tmp_path,
+        """
         name: next
         model: {factory: "tiny:tagger"}
         inputs:
@@ -123,7 +149,8 @@ def test_stats_count_calls_per_variant_and_shapes(tagger_build, tmp_path):
           mask: {shape: [batch, seq], dtype: bool}
         dims: {batch: {min: 1, max: 8}, seq: {min: 4, max: 32}}
         distribution: {file: traffic.jsonl}
-    """)
+    """,
+    )
     assert read_distribution(load_profile(profile)) == {(1, 16): 2, (3, 10): 1, (19, 12): 1}
 
 

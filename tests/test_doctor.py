@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from precompile.build import build
+from precompile.authoring.doctor import diagnose
 from precompile.cli import main
-from precompile.doctor import diagnose
 from precompile.errors import ExportError, ModelError, ProfileError
+from precompile.pipeline import build
 
 from .test_init import folder_with_models
 
@@ -58,19 +58,24 @@ def test_doctor_names_the_sizes_a_model_fixes_with_the_line(tmp_path):
     by_dim = {f.place: f for f in report.errors}
     assert set(by_dim) == {"dims", "dims.height", "dims.width"}  # the sample (64x64) fails too
     assert "the model fixes height to 32" in by_dim["dims.height"].message
-    assert re.match(r"modeling_vit\.py:\d+ in forward: if height != self\.image_size\[0\]", by_dim["dims.height"].source)
+    assert re.match(
+        r"modeling_vit\.py:\d+ in forward: if height != self\.image_size\[0\]", by_dim["dims.height"].source
+    )
     assert "write 32 for height in the input shapes" in by_dim["dims.height"].fix
     assert "the model fixes width to 32" in by_dim["dims.width"].message
     assert "height=64, the geometric mean of [16, 256]" in by_dim["dims"].message
 
 
 def test_doctor_finds_a_data_dependent_branch_and_its_source(tmp_path):
-    path = profile(tmp_path, """
+    path = profile(
+        tmp_path,
+        """
         name: branchy
         model: {factory: "hf_tiny:branchy"}
         inputs: {x: {shape: [batch, 8], dtype: float32}}
         dims: {batch: {min: 1, max: 4}}
-    """)
+    """,
+    )
     result = CliRunner().invoke(main, ["doctor", str(path)], catch_exceptions=False)
     assert result.exit_code == 1
     assert "model: forward() branches on tensor values" in result.output
@@ -80,12 +85,15 @@ def test_doctor_finds_a_data_dependent_branch_and_its_source(tmp_path):
 
 
 def test_doctor_on_a_good_profile_exits_0_and_notes_aten_fallbacks(tmp_path):
-    path = profile(tmp_path, """
+    path = profile(
+        tmp_path,
+        """
         name: gpt
         model: {factory: "hf_tiny:gpt2", outputs: [last_hidden_state]}
         inputs: {input_ids: {shape: [batch, seq], dtype: int64, range: [0, 99]}}
         dims: {batch: {min: 1, max: 4}, seq: {min: 1, max: 64}}
-    """)
+    """,
+    )
     result = CliRunner().invoke(main, ["doctor", str(path)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "no problem found" in result.output
@@ -94,15 +102,20 @@ def test_doctor_on_a_good_profile_exits_0_and_notes_aten_fallbacks(tmp_path):
 
 def test_doctor_stops_at_its_time_budget_and_says_so(tmp_path):
     """In a child process: the abandoned export thread must not outlive the test."""
-    path = profile(tmp_path, """
+    path = profile(
+        tmp_path,
+        """
         name: slow
         model: {factory: "hf_tiny:slow_to_trace"}
         inputs: {x: {shape: [batch, 8], dtype: float32}}
         dims: {batch: {min: 1, max: 4}}
-    """)
+    """,
+    )
     run = subprocess.run(
         [sys.executable, "-m", "precompile", "doctor", str(path), "--max-seconds", "2"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 1
     assert "torch.export did not finish within 2 s; what it found so far is listed" in run.stdout
@@ -134,27 +147,39 @@ def test_the_sample_size_the_build_chose_is_named_as_such_without_the_values_hin
     with pytest.raises(ModelError) as e:
         build(profile(tmp_path, VIT_RANGE), tmp_path / "out")
     text = str(e.value)
-    assert "the sample size the build chose: batch=2, the geometric mean of [1, 4]; height=64, the geometric mean of [16, 256]" in text
+    assert (
+        "the sample size the build chose: batch=2, the geometric mean of [1, 4]; height=64, the geometric mean of [16, 256]"
+        in text
+    )
     assert "ValueError: Input image size (64*64) doesn't match model (32*32)" in text
     assert "range" not in text  # the values are not the cause: no hint about them
     assert "precompile doctor" in text
 
 
 def test_the_values_hint_comes_when_values_index_past_a_table(tmp_path):
-    path = profile(tmp_path, """
+    path = profile(
+        tmp_path,
+        """
         name: small-table
         model: {factory: "hf_tiny:small_table"}
         inputs: {ids: {shape: [batch, seq], dtype: int64}}
         dims: {batch: {min: 1, max: 4}, seq: {min: 2, max: 8}}
-    """)
+    """,
+    )
     with pytest.raises(ModelError) as e:
         build(path, tmp_path / "out")
-    assert "IndexError" in str(e.value) and "the sample values (drawn from each integer input's `range`)" in str(e.value)
+    assert "IndexError" in str(e.value) and "the sample values (drawn from each integer input's `range`)" in str(
+        e.value
+    )
 
 
 def test_an_export_failure_explains_first_and_quotes_torch_once_with_a_log(tmp_path):
-    path = profile(tmp_path, VIT_RANGE.replace("height: {min: 16, max: 256}", "height: {min: 16, max: 64}")
-                   .replace("width: {min: 16, max: 256}", "width: {min: 16, max: 64}"))
+    path = profile(
+        tmp_path,
+        VIT_RANGE.replace("height: {min: 16, max: 256}", "height: {min: 16, max: 64}").replace(
+            "width: {min: 16, max: 256}", "width: {min: 16, max: 64}"
+        ),
+    )
     with pytest.raises(ExportError) as e:
         build(path, tmp_path / "out", jobs=1)
     text = str(e.value)

@@ -36,9 +36,18 @@ def run_child(*args: str, timeout: float = 300) -> tuple[subprocess.CompletedPro
     return proc, summary
 
 
-def test_ten_thousand_random_calls_never_crash_and_are_refused_or_right(classifier_artifact, tagger_build, structured_artifact):
+def test_ten_thousand_random_calls_never_crash_and_are_refused_or_right(
+    classifier_artifact, tagger_build, structured_artifact
+):
     proc, s = run_child(
-        "fuzz", str(classifier_artifact), str(tagger_build.path), str(structured_artifact), "--calls", str(CALLS), "--seed", "0"
+        "fuzz",
+        str(classifier_artifact),
+        str(tagger_build.path),
+        str(structured_artifact),
+        "--calls",
+        str(CALLS),
+        "--seed",
+        "0",
     )
     assert proc.returncode == 0, f"the fuzzing process died (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     print(f"\nfuzz: {json.dumps(s, indent=1)}")
@@ -46,7 +55,9 @@ def test_ten_thousand_random_calls_never_crash_and_are_refused_or_right(classifi
     assert s["unexpected"] == [], "refused with something other than a GuardError"
     assert s["mismatches"] == [], "accepted calls that differ from eager"
     assert s["accepted"] > CALLS // 4 and s["refused"] > CALLS // 4  # both paths well exercised
-    assert {"value_range", "tensor_subclass", "neg_view", "meta", "layout", "nested", "dtype", "rank"} <= set(s["by_reason"])
+    assert {"value_range", "tensor_subclass", "neg_view", "meta", "layout", "nested", "dtype", "rank"} <= set(
+        s["by_reason"]
+    )
 
 
 REPROS = ["ids-1000", "ids--1", "ids-1e11", "wrapper-subclass", "neg-view"]
@@ -57,7 +68,9 @@ def test_a_call_that_crashed_the_process_is_now_a_guard_error(classifier_artifac
     proc, s = run_child("repro", str(classifier_artifact), case, timeout=120)
     assert proc.returncode == 0, f"{case}: the process died (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert s["error"] == "GuardError", s
-    assert s["reason"] == ("neg_view" if case == "neg-view" else "tensor_subclass" if case == "wrapper-subclass" else "value_range")
+    assert s["reason"] == (
+        "neg_view" if case == "neg-view" else "tensor_subclass" if case == "wrapper-subclass" else "value_range"
+    )
 
 
 # --- the child process ---------------------------------------------------------------------------
@@ -92,7 +105,11 @@ def _no_storage(t):
 # Ways to turn a good input tensor into another kind of object: (name, weight, function).
 KINDS = [
     ("plain", 30, lambda t, rng: t),
-    ("non-contiguous", 2, lambda t, rng: t.t().contiguous().t() if t.dim() == 2 else t.unsqueeze(-1).expand(*t.shape, 2)[..., 0]),
+    (
+        "non-contiguous",
+        2,
+        lambda t, rng: t.t().contiguous().t() if t.dim() == 2 else t.unsqueeze(-1).expand(*t.shape, 2)[..., 0],
+    ),
     ("wrapper-subclass", 1, lambda t, rng: Wrapper(t)),
     ("python-subclass", 1, lambda t, rng: t.as_subclass(Marked)),
     ("parameter", 1, lambda t, rng: torch.nn.Parameter(t, requires_grad=t.is_floating_point())),
@@ -101,12 +118,22 @@ KINDS = [
     ("conj-view", 1, lambda t, rng: torch.complex(t.float(), t.float()).conj()),
     ("meta", 1, lambda t, rng: t.to("meta")),
     ("sparse", 1, lambda t, rng: t.to_sparse()),
-    ("sparse-csr-or-mkldnn", 1, lambda t, rng: t.to_mkldnn() if t.dtype is torch.float32 else t.to_sparse_csr() if t.dim() == 2 else t),
+    (
+        "sparse-csr-or-mkldnn",
+        1,
+        lambda t, rng: t.to_mkldnn() if t.dtype is torch.float32 else t.to_sparse_csr() if t.dim() == 2 else t,
+    ),
     ("quantized", 1, lambda t, rng: torch.quantize_per_tensor(t.float(), 1.0, 0, torch.quint8)),
     ("nested", 1, lambda t, rng: torch.nested.nested_tensor([t, t]) if t.dim() >= 1 and t.numel() else t),
     ("no-storage", 1, lambda t, rng: _no_storage(t)),
     ("not-a-tensor", 1, lambda t, rng: rng.choice([t.tolist(), None, 3, t.numpy()])),
-    ("wrong-dtype", 2, lambda t, rng: t.to(rng.choice([torch.int32, torch.float32, torch.float64, torch.bool, torch.uint8, torch.int8]))),
+    (
+        "wrong-dtype",
+        2,
+        lambda t, rng: t.to(
+            rng.choice([torch.int32, torch.float32, torch.float64, torch.bool, torch.uint8, torch.int8])
+        ),
+    ),
     ("scalar", 1, lambda t, rng: t.reshape(-1)[:1].reshape(()) if t.numel() else torch.tensor(0, dtype=t.dtype)),
     ("extra-axis", 1, lambda t, rng: t.unsqueeze(0)),
 ]
@@ -169,7 +196,12 @@ def fuzz(paths: list[str], calls: int, seed: int) -> dict:
 
     classifier, tagger, structured = paths
     targets = [
-        Target(classifier, lambda: tiny.classifier(vocab=50, width=16), {"batch": (1, 8), "seq": (2, 48)}, {"batch": 12, "seq": 60}),
+        Target(
+            classifier,
+            lambda: tiny.classifier(vocab=50, width=16),
+            {"batch": (1, 8), "seq": (2, 48)},
+            {"batch": 12, "seq": 60},
+        ),
         # batch: split (any size ≥ 1), seq: pad (sizes below 4)
         Target(tagger, tiny.tagger, {"batch": (1, 8), "seq": (4, 32)}, {"batch": 20, "seq": 40}),
         Target(structured, tiny.structured, {"batch": (1, 32)}, {"batch": 40}),

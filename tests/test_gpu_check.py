@@ -93,12 +93,19 @@ def test_a_step_past_the_deadline_is_recorded_before_the_next_starts(tmp_path):
     assert value is None
     saved = json.loads((tmp_path / "gpu-check.json").read_text())
     (failure,) = saved["failures"]
-    assert failure["step"] == "facts (cut short)" and "timed out after" in failure["error"] and "process group was killed" in failure["error"]
+    assert (
+        failure["step"] == "facts (cut short)"
+        and "timed out after" in failure["error"]
+        and "process group was killed" in failure["error"]
+    )
     assert saved["steps"][0]["timed_out"] is True
     assert "## FAILED: facts (cut short)" in (tmp_path / "gpu-check.md").read_text()
     facts = run.child_step("facts", "facts", {}, cap_s=120)
     assert facts["torch"] and facts["bindings"]["load_constants"]
-    assert [s["step"] for s in json.loads((tmp_path / "gpu-check.json").read_text())["steps"]] == ["facts (cut short)", "facts"]
+    assert [s["step"] for s in json.loads((tmp_path / "gpu-check.json").read_text())["steps"]] == [
+        "facts (cut short)",
+        "facts",
+    ]
 
 
 def test_no_time_left_skips_a_step_and_says_so(tmp_path):
@@ -147,9 +154,22 @@ def test_the_device_run_records_the_machine_before_anything_else(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "device-run"), "--out", str(out), "--deadline", "200", "--wheels", str(tmp_path / "wheels"),
-         "--site", str(tmp_path / "site")],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            str(SCRIPTS / "device-run"),
+            "--out",
+            str(out),
+            "--deadline",
+            "200",
+            "--wheels",
+            str(tmp_path / "wheels"),
+            "--site",
+            str(tmp_path / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     facts = json.loads((out / "device-facts.json").read_text())
     assert facts["facts"]["bindings"]["load_constants"][0].startswith("load_constants(constants_map")
@@ -178,7 +198,9 @@ def test_a_signal_to_the_runner_ends_its_children_groups_too(tmp_path):
     import signal
 
     log = tmp_path / "child.log"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(scripts=str(SCRIPTS), spawner=SPAWNER, log=str(log))])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT.format(scripts=str(SCRIPTS), spawner=SPAWNER, log=str(log))]
+    )
     end = time.monotonic() + 60
     while not (log.exists() and log.read_text().strip()) and time.monotonic() < end:
         time.sleep(0.05)

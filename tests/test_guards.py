@@ -18,10 +18,11 @@ import loader
 from loader import GuardError
 from loader.errors import ArtifactError
 from loader.manifest import parse_manifest
-from precompile.build import build
+from precompile.analysis.value_ranges import index_tables, with_value_ranges
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import Profile
-from precompile.values import explain_eager_failure, index_tables, with_value_ranges
+from precompile.stages.resolve import explain_eager_failure
 
 from .conftest import CLASSIFIER_PROFILE, write_profile
 from .test_fuzz_calls import Marked, Wrapper, _no_storage
@@ -79,7 +80,10 @@ def test_a_manifest_without_ranges_still_loads_and_serves(classifier_artifact, t
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda m: m["inputs"][1].update(range=[0, 1]), r"inputs\[1\].range: a value range is for integer inputs, this one is bool"),
+        (
+            lambda m: m["inputs"][1].update(range=[0, 1]),
+            r"inputs\[1\].range: a value range is for integer inputs, this one is bool",
+        ),
         (lambda m: m["inputs"][0].update(range=[5, 1]), r"inputs\[0\].range: min 5 > max 1"),
         (lambda m: m["inputs"][0].update(range=[0, 2**60]), r"inputs\[0\].range\[1\]: 1152921504606846976 is outside"),
         (lambda m: m["inputs"][0].update(range=[0.5, 3]), r"inputs\[0\].range\[0\]: expected an integer, got float"),
@@ -116,7 +120,11 @@ def test_a_value_outside_the_range_is_422_over_http(classifier_artifact):
 
 
 TENSOR_CASES = {
-    "wrapper-subclass": (lambda t: Wrapper(t), "tensor_subclass", "a tests.test_fuzz_calls.Wrapper (a torch.Tensor subclass)"),
+    "wrapper-subclass": (
+        lambda t: Wrapper(t),
+        "tensor_subclass",
+        "a tests.test_fuzz_calls.Wrapper (a torch.Tensor subclass)",
+    ),
     "python-subclass": (lambda t: t.as_subclass(Marked), "tensor_subclass", "a tests.test_fuzz_calls.Marked"),
     "neg-view": (lambda t: torch._neg_view(t), "neg_view", "a lazy negative view"),
     "conj-view": (lambda t: torch.complex(t.float(), t.float()).conj(), "conj_view", "a lazy conjugate view"),
@@ -124,7 +132,11 @@ TENSOR_CASES = {
     "sparse-coo": (lambda t: t.to_sparse(), "layout", "layout is sparse_coo"),
     "sparse-csr": (lambda t: t.to_sparse_csr(), "layout", "layout is sparse_csr"),
     "nested": (lambda t: torch.nested.nested_tensor([t[0], t[1, :3]]), "nested", "a nested tensor"),
-    "quantized": (lambda t: torch.quantize_per_tensor(t.float(), 1.0, 0, torch.quint8), "quantized", "a quantized tensor"),
+    "quantized": (
+        lambda t: torch.quantize_per_tensor(t.float(), 1.0, 0, torch.quint8),
+        "quantized",
+        "a quantized tensor",
+    ),
     "storage-resized-away": (_no_storage, "no_storage", "tensor has no storage holding its 12 elements"),
     "not-a-tensor": (lambda t: t.tolist(), "not_a_tensor", "expected a torch.Tensor, got list"),
 }
@@ -205,7 +217,13 @@ INDEXES_PROFILE = Profile.model_validate(
 
 
 def test_the_build_finds_the_tables_integer_inputs_index():
-    args = (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 6]), torch.tensor([0, 2]), torch.tensor([1, 4], dtype=torch.int32), torch.tensor([7, 8]))
+    args = (
+        torch.tensor([1, 2, 3, 4]),
+        torch.tensor([0, 6]),
+        torch.tensor([0, 2]),
+        torch.tensor([1, 4], dtype=torch.int32),
+        torch.tensor([7, 8]),
+    )
     ep = torch.export.export(Indexes(), args, strict=False)
     tables = index_tables(ep, INDEXES_PROFILE)
     assert {name: (t.rows, t.op) for name, t in tables.items()} == {
@@ -217,8 +235,8 @@ def test_the_build_finds_the_tables_integer_inputs_index():
 
 
 def test_undeclared_ranges_come_from_the_tables_and_an_unguarded_input_is_a_warning(tmp_path):
+    from precompile.analysis.value_ranges import IndexTable
     from precompile.profile import LoadedProfile
-    from precompile.values import IndexTable
 
     loaded = LoadedProfile(profile=INDEXES_PROFILE, path=tmp_path / "p.yaml")
     tables = {"flat": IndexTable(10, "embedding"), "twice": IndexTable(5, "embedding")}
@@ -242,20 +260,23 @@ def test_a_declared_range_past_the_table_is_a_profile_error_before_compiling(tmp
 
 def test_a_range_past_the_table_is_named_even_when_samples_stay_inside(tmp_path):
     """The samples need not hit the bad values: every variant's export is checked before its compile."""
-    from precompile.build import CompileTask, _compile_one
-    from precompile.plan import make_plan
+    from precompile.executors.worker import compile_unit
     from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
+    from precompile.stages.plan import make_plan
+    from precompile.stages.resolve import resolve_model
+    from precompile.units import CompileTask
 
     loaded = load_profile(write_profile(tmp_path, CLASSIFIER_PROFILE.replace("range: [0, 49]", "range: [-1, 49]")))
     with pytest.raises(ProfileError, match=r"inputs.ids.range: \[-1, 49\] goes past the embedding table of 50 rows"):
-        _compile_one(loaded, resolve_model(loaded), CompileTask(make_plan(loaded).variants[0], 0, {}, "v.pt2"), tmp_path)
+        compile_unit(
+            loaded, resolve_model(loaded), CompileTask(make_plan(loaded).variants[0], 0, {}, "v.pt2"), tmp_path
+        )
     assert not list(tmp_path.rglob("*.pt2"))
 
 
 def test_an_eager_failure_with_ranges_inside_the_tables_is_left_as_it_is(tmp_path):
     from precompile.profile import load_profile
-    from precompile.resolve import resolve_model
+    from precompile.stages.resolve import resolve_model
 
     loaded = load_profile(write_profile(tmp_path, CLASSIFIER_PROFILE))
     assert explain_eager_failure(loaded, resolve_model(loaded), {"batch": 2, "seq": 4}) is None
@@ -264,9 +285,24 @@ def test_an_eager_failure_with_ranges_inside_the_tables_is_left_as_it_is(tmp_pat
 @pytest.mark.parametrize(
     "inputs, policy, problem",
     [
-        ({"ids": {"shape": ["n"], "dtype": "int64", "range": [0, 9.5]}}, {}, ("inputs.ids.range", "[0, 9.5]: an int64 input's range needs whole numbers")),
-        ({"ids": {"shape": ["n"], "dtype": "uint8", "range": [-1, 9]}}, {}, ("inputs.ids.range", "[-1, 9] goes past what uint8 values can be here ([0, 255])")),
-        ({"ids": {"shape": ["n"], "dtype": "int64", "range": [0, 2**60]}}, {}, ("inputs.ids.range", "[0, 1.15292e+18] goes past what int64 values can be here ([-9007199254740992, 9007199254740992])")),
+        (
+            {"ids": {"shape": ["n"], "dtype": "int64", "range": [0, 9.5]}},
+            {},
+            ("inputs.ids.range", "[0, 9.5]: an int64 input's range needs whole numbers"),
+        ),
+        (
+            {"ids": {"shape": ["n"], "dtype": "uint8", "range": [-1, 9]}},
+            {},
+            ("inputs.ids.range", "[-1, 9] goes past what uint8 values can be here ([0, 255])"),
+        ),
+        (
+            {"ids": {"shape": ["n"], "dtype": "int64", "range": [0, 2**60]}},
+            {},
+            (
+                "inputs.ids.range",
+                "[0, 1.15292e+18] goes past what int64 values can be here ([-9007199254740992, 9007199254740992])",
+            ),
+        ),
         (
             {"ids": {"shape": ["n"], "dtype": "int64", "range": [1, 9]}},
             {"out_of_range": {"n": "pad"}},
@@ -279,7 +315,14 @@ def test_integer_ranges_are_checked_in_the_profile(inputs, policy, problem):
     from precompile.profile import semantic_problems
 
     profile = Profile.model_validate(
-        {"name": "p", "model": {"factory": "x:y"}, "inputs": inputs, "dims": {"n": {"min": 2, "max": 8}}, "outputs": [{"shape": ["n"]}], "policy": policy}
+        {
+            "name": "p",
+            "model": {"factory": "x:y"},
+            "inputs": inputs,
+            "dims": {"n": {"min": 2, "max": 8}},
+            "outputs": [{"shape": ["n"]}],
+            "policy": policy,
+        }
     )
     assert problem in semantic_problems(profile)
 

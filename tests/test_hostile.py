@@ -24,7 +24,7 @@ import loader.pack
 from loader import ArtifactError, parse_manifest
 from loader import constants as C
 from loader.pack import tar_header, unpack
-from precompile.ship import sign
+from precompile.ship.sign import sign
 
 BLOCK = C.TAR_BLOCK
 END = bytes(2 * BLOCK)
@@ -33,7 +33,15 @@ END = bytes(2 * BLOCK)
 # --- crafting ------------------------------------------------------------------------------------
 
 
-def header(name: str | bytes, size: int, *, kind: bytes = b"0", link: bytes = b"", magic: bytes = b"ustar\x0000", size_field: bytes | None = None) -> bytes:
+def header(
+    name: str | bytes,
+    size: int,
+    *,
+    kind: bytes = b"0",
+    link: bytes = b"",
+    magic: bytes = b"ustar\x0000",
+    size_field: bytes | None = None,
+) -> bytes:
     raw = name if isinstance(name, bytes) else name.encode()
     h = bytearray(tar_header("x", size))
     h[0:100] = raw[:100].ljust(100, b"\0")
@@ -115,9 +123,11 @@ def _case(manifest: bytes, files: dict[str, bytes], which: str) -> bytes:
         "not-listed": lambda: frame(head + member("extra.bin", b"surprise") + body),
         "duplicate": lambda: frame(head + member(first, files[first]) + body),
         "size-mismatch": lambda: frame(head + member(first, files[first] + b"!") + body),
-        "manifest-not-first": lambda: frame(body[:-len(END)] + head + END),
+        "manifest-not-first": lambda: frame(body[: -len(END)] + head + END),
         "manifest-twice": lambda: frame(head + head + body),
-        "signature-out-of-place": lambda: frame(head + member(first, files[first]) + member("signature.json", b"{}") + END),
+        "signature-out-of-place": lambda: frame(
+            head + member(first, files[first]) + member("signature.json", b"{}") + END
+        ),
         "empty-archive": lambda: frame(END),
         "missing-member": lambda: frame(head + b"".join(member(r, files[r]) for r in rest) + END),
         "junk-after-end": lambda: frame(head + body + b"junk" + bytes(BLOCK - 4)),
@@ -129,7 +139,9 @@ def _case(manifest: bytes, files: dict[str, bytes], which: str) -> bytes:
         "huge-manifest-member": lambda: frame(header("manifest.json", 1 << 30) + bytes(BLOCK)),
         "not-utf8-name": lambda: frame(head + member(b"\xff\xfe", b"x") + body),
         "zero-block-inside": lambda: frame(head + bytes(BLOCK) + member(first, files[first]) + END),
-        "nonzero-padding": lambda: frame(head[:-1] + b"x" + body) if len(manifest) % BLOCK else frame(head + body[:-1] + b"x"),
+        "nonzero-padding": lambda: (
+            frame(head[:-1] + b"x" + body) if len(manifest) % BLOCK else frame(head + body[:-1] + b"x")
+        ),
         "not-zstd": lambda: head + body,
         "no-checksum": lambda: frame(head + body, checksum=False),
         "no-content-size": lambda: frame(head, content_size=False) + frame(body),
@@ -240,7 +252,10 @@ def test_a_decompression_bomb_is_refused_without_being_expanded(parts, tmp_path,
             return chunk
 
     monkeypatch.setattr(loader.pack, "open_decompressed", Counting)
-    with pytest.raises(ArtifactError, match=r"frames declare 53687\d+ bytes, more than the \d+ its manifest accounts for \(decompression bomb\?\)"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"frames declare 53687\d+ bytes, more than the \d+ its manifest accounts for \(decompression bomb\?\)",
+    ):
         load_pack_bytes(tmp_path, bomb)
     assert sum(produced) < 1 << 20
 
@@ -271,7 +286,9 @@ def test_a_bit_flipped_anywhere_in_a_pack_is_refused_or_harmless(classifier_pack
     is harmless: every member is checked by sha256. Any other flip is refused."""
     data = classifier_pack.read_bytes()
     original = _decompressed(data)
-    positions = sorted(set(range(0, 64, 3)) | set(range(0, len(data), len(data) // 40)) | set(range(len(data) - 8, len(data))))
+    positions = sorted(
+        set(range(0, 64, 3)) | set(range(0, len(data), len(data) // 40)) | set(range(len(data) - 8, len(data)))
+    )
     refused = 0
     for i, pos in enumerate(positions):
         flipped = bytearray(data)
@@ -350,19 +367,43 @@ MANIFESTS = {
     "name-not-a-string": (lambda m: m.update(name=5), "name: expected a string, got int"),
     "files-a-list": (lambda m: m.update(files=[]), "files: expected an object, got a list"),
     "target-null": (lambda m: m.update(target=None), "target: expected an object, got null"),
-    "size-2**64": (lambda m: m["files"]["weights.safetensors"].update(size=2**64), r"weights.safetensors.size: 18446744073709551616 is outside"),
+    "size-2**64": (
+        lambda m: m["files"]["weights.safetensors"].update(size=2**64),
+        r"weights.safetensors.size: 18446744073709551616 is outside",
+    ),
     "size-negative": (lambda m: m["files"]["weights.safetensors"].update(size=-1), r"size: -1 is outside"),
     "size-a-float": (lambda m: m["files"]["weights.safetensors"].update(size=1.5), "expected an integer, got float"),
-    "size-a-bool": (lambda m: m["files"]["weights.safetensors"].update(size=True), "expected an integer, got a boolean"),
-    "dim-10**30": (lambda m: m["dims"]["seq"].update(max=10**30), r"dims.seq\[1\]: 1000000000000000000000000000000 is outside"),
+    "size-a-bool": (
+        lambda m: m["files"]["weights.safetensors"].update(size=True),
+        "expected an integer, got a boolean",
+    ),
+    "dim-10**30": (
+        lambda m: m["dims"]["seq"].update(max=10**30),
+        r"dims.seq\[1\]: 1000000000000000000000000000000 is outside",
+    ),
     "version-huge": (lambda m: m.update(version=10**20), "version: 100000000000000000000 is outside"),
     "version-zero": (lambda m: m.update(version=0), r"version: 0 is outside \[1, "),
     "version-nan": (lambda m: m.update(version=float("nan")), "version: expected an integer, got float"),
-    "dim-infinite": (lambda m: m["dims"]["seq"].update(max=float("inf")), r"dims.seq\[1\]: expected an integer, got float"),
-    "sha-not-hex": (lambda m: m["files"]["weights.safetensors"].update(sha256="Z" * 64), "sha256: 'ZZZZ.* does not match"),
-    "traversal-file": (lambda m: m["files"].update({"../x": {"size": 1, "sha256": "0" * 64}}), r"unsafe file path '\.\./x'"),
-    "absolute-file": (lambda m: m["files"].update({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "unsafe file path '/etc/passwd'"),
-    "variant-file-unlisted": (lambda m: m["variants"][0].update(file="variants/other.pt2"), "'variants/other.pt2' is not listed in files"),
+    "dim-infinite": (
+        lambda m: m["dims"]["seq"].update(max=float("inf")),
+        r"dims.seq\[1\]: expected an integer, got float",
+    ),
+    "sha-not-hex": (
+        lambda m: m["files"]["weights.safetensors"].update(sha256="Z" * 64),
+        "sha256: 'ZZZZ.* does not match",
+    ),
+    "traversal-file": (
+        lambda m: m["files"].update({"../x": {"size": 1, "sha256": "0" * 64}}),
+        r"unsafe file path '\.\./x'",
+    ),
+    "absolute-file": (
+        lambda m: m["files"].update({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}),
+        "unsafe file path '/etc/passwd'",
+    ),
+    "variant-file-unlisted": (
+        lambda m: m["variants"][0].update(file="variants/other.pt2"),
+        "'variants/other.pt2' is not listed in files",
+    ),
     "huge-string": (lambda m: m.update(created="x" * 5000), "created: string is longer than 4096"),
     "many-inputs": (lambda m: m.update(inputs=[{}] * 2000), "inputs: list has 2000 items, more than 1024"),
     "expires-not-a-date": (lambda m: m.update(expires="tomorrow"), "expires: 'tomorrow' is not an ISO 8601 date-time"),
@@ -391,7 +432,10 @@ def test_a_hostile_manifest_is_refused_naming_the_key(classifier_artifact, tmp_p
         (b"[]", "manifest: expected an object, got a list"),
         (_nested(100_000), "not valid JSON"),
         (b'{"format": "precompile-artifact", "format_version": 1' + b"0" * 5000 + b"}", "not valid JSON"),
-        (b'{"format": "precompile-artifact", "format_version": 1}', r"manifest: missing key\(s\) \['constants', 'created'"),
+        (
+            b'{"format": "precompile-artifact", "format_version": 1}',
+            r"manifest: missing key\(s\) \['constants', 'created'",
+        ),
         (b" " * (C.MAX_MANIFEST_BYTES + 1), "more than the 16777216 allowed"),
     ],
     ids=["empty", "binary", "a-list", "nested-100000", "5000-digit-number", "nearly-empty", "too-large"],
@@ -480,7 +524,9 @@ def test_a_hostile_weights_header_is_refused_by_name(classifier_artifact, tmp_pa
 
 @pytest.mark.parametrize("rel", ["weights.safetensors", "variants/dynamic.pt2", "manifest.json"])
 @pytest.mark.parametrize("rehash", [False, True], ids=["as-is", "manifest-rehashed"])
-def test_files_swapped_between_two_valid_artifacts_are_refused(classifier_artifact, structured_artifact, tmp_path, rel, rehash):
+def test_files_swapped_between_two_valid_artifacts_are_refused(
+    classifier_artifact, structured_artifact, tmp_path, rel, rehash
+):
     folder = tmp_path / "a"
     shutil.copytree(classifier_artifact, folder)
     shutil.copy(structured_artifact / rel, folder / rel)
@@ -572,7 +618,9 @@ class SmallPack:
 
     def __init__(self, manifest: dict, folder: Path):
         m = copy.deepcopy(manifest)
-        self.files = {rel: bytes((i * 7 + n) % 251 for n in range(100 + 300 * i)) for i, rel in enumerate(sorted(m["files"]))}
+        self.files = {
+            rel: bytes((i * 7 + n) % 251 for n in range(100 + 300 * i)) for i, rel in enumerate(sorted(m["files"]))
+        }
         for rel, data in self.files.items():
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
             (folder / rel).write_bytes(data)

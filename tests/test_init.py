@@ -11,15 +11,17 @@ import yaml
 from click.testing import CliRunner
 
 import loader
+from precompile.authoring.init import InitError, init_profile, parse_examples
 from precompile.cli import main
-from precompile.init import InitError, init_profile, parse_examples
 from precompile.profile import load_profile
-from precompile.resolve import resolve_model
+from precompile.stages.resolve import resolve_model
 
 MODELS = Path(__file__).parent / "models" / "hf_tiny.py"
 
 BERT_CALLS = [
-    "input_ids=2x16:int64", "attention_mask=2x16:int64", "token_type_ids=2x16:int64",
+    "input_ids=2x16:int64",
+    "attention_mask=2x16:int64",
+    "token_type_ids=2x16:int64",
     "input_ids=4x40 attention_mask=4x40 token_type_ids=4x40",
 ]
 
@@ -46,7 +48,9 @@ def bert_init(tmp_path_factory) -> Path:
 def test_examples_make_calls_a_repeated_name_or_semicolon_starts_the_next():
     calls = parse_examples(["ids=2x16:int64", "mask=2x16:bool", "ids=4x40 mask=4x40", "; ids=1x8"])
     assert [c.shapes for c in calls] == [
-        {"ids": (2, 16), "mask": (2, 16)}, {"ids": (4, 40), "mask": (4, 40)}, {"ids": (1, 8)}
+        {"ids": (2, 16), "mask": (2, 16)},
+        {"ids": (4, 40), "mask": (4, 40)},
+        {"ids": (1, 8)},
     ]
     assert calls[1].dtypes == {"ids": "int64", "mask": "bool"}  # a dtype given once holds
 
@@ -61,9 +65,14 @@ def test_a_malformed_example_is_a_clear_error():
 def test_dims_ranges_and_values_come_from_the_model(bert_init):
     profile = load_profile(bert_init).profile  # build's own parser accepts it
     assert {n: s.shape for n, s in profile.inputs.items()} == {
-        "input_ids": ["batch", "seq"], "attention_mask": ["batch", "seq"], "token_type_ids": ["batch", "seq"]
+        "input_ids": ["batch", "seq"],
+        "attention_mask": ["batch", "seq"],
+        "token_type_ids": ["batch", "seq"],
     }
-    assert (profile.dims["seq"].min, profile.dims["seq"].max) == (16, 64)  # the smallest example; the position table's rows
+    assert (profile.dims["seq"].min, profile.dims["seq"].max) == (
+        16,
+        64,
+    )  # the smallest example; the position table's rows
     assert (profile.dims["batch"].min, profile.dims["batch"].max) == (1, 4)
     assert profile.inputs["input_ids"].range == (0, 99) and profile.inputs["token_type_ids"].range == (0, 1)
     assert profile.model.outputs == ["last_hidden_state", "pooler_output"]
@@ -142,8 +151,13 @@ def test_a_profile_written_away_from_its_module_says_where_the_module_is_looked_
     elsewhere = tmp_path / "profiles"
     elsewhere.mkdir()
     result = CliRunner().invoke(
-        main, ["init", "hf_tiny:bert", "--example", "input_ids=2x16:int64", "-o", str(elsewhere / "bert.yaml")], catch_exceptions=False
+        main,
+        ["init", "hf_tiny:bert", "--example", "input_ids=2x16:int64", "-o", str(elsewhere / "bert.yaml")],
+        catch_exceptions=False,
     )
     assert result.exit_code == 1 and "Traceback" not in result.output
-    assert "cannot import 'hf_tiny'" in result.output and f"the folder the profile is written to ({elsewhere})" in result.output
+    assert (
+        "cannot import 'hf_tiny'" in result.output
+        and f"the folder the profile is written to ({elsewhere})" in result.output
+    )
     assert not (elsewhere / "bert.yaml").exists() and models.is_dir()

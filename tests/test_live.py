@@ -78,8 +78,11 @@ def test_a_missing_path_leaves_the_old_one_serving(classifier_versions, tmp_path
 
 def test_rollback_is_refused_unless_allowed(classifier_versions):
     live = Live(classifier_versions[2])
-    with pytest.raises(SwapError, match="version 1 is older than the serving version 3"):
+    with pytest.raises(SwapError, match="version 1 is older than the serving version 3") as refused:
         live.swap(classifier_versions[0])
+    assert "serve with --allow-rollback (Live(..., allow_rollback=True) or swap(..., allow_rollback=True))" in str(
+        refused.value
+    )
     assert live.serving.version == 3
     assert live.swap(classifier_versions[0], allow_rollback=True).version == 1
 
@@ -98,7 +101,9 @@ def test_changed_inputs_are_refused(classifier_versions, tmp_path):
     manifest["inputs"][1]["name"] = "attention_mask"
     (renamed / "manifest.json").write_text(json.dumps(manifest))
     live = Live(classifier_versions[0])
-    with pytest.raises(SwapError, match=r"inputs \(ids: int64\[batch, seq\], attention_mask: bool\[batch, seq\]\) differ"):
+    with pytest.raises(
+        SwapError, match=r"inputs \(ids: int64\[batch, seq\], attention_mask: bool\[batch, seq\]\) differ"
+    ):
         live.swap(renamed)
 
 
@@ -205,7 +210,9 @@ SECRET = "hunter2-do-not-leak"
 
 
 @pytest.mark.parametrize(
-    "content", [SECRET + "\n", b"\x89PNG\r\n" + SECRET.encode(), "../" + SECRET], ids=["text", "binary", "relative-path"]
+    "content",
+    [SECRET + "\n", b"\x89PNG\r\n" + SECRET.encode(), "../" + SECRET],
+    ids=["text", "binary", "relative-path"],
 )
 def test_a_file_that_is_no_pointer_is_never_quoted(classifier_versions, tmp_path, content):
     """A path naming some other file (a secret, a config): the error names the file, not its content."""
@@ -240,7 +247,9 @@ def test_the_digest_is_of_the_manifest_as_read(classifier_artifact, tmp_path):
     manifest = json.loads((classifier_artifact / "manifest.json").read_text())
     folder = tmp_path / "a"
     shutil.copytree(classifier_artifact, folder)
-    (folder / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k not in ("check", "expires")}))
+    (folder / "manifest.json").write_text(
+        json.dumps({k: v for k, v in manifest.items() if k not in ("check", "expires")})
+    )
     parsed, raw = read_manifest_with_bytes(folder)
     assert manifest_digest(raw) != manifest_digest(parsed)
     live = Live(folder)
@@ -255,6 +264,9 @@ def test_stats_count_each_call_once(classifier_versions):
     stats = live.stats()
     assert stats["calls"] == 3
     assert stats["variants"]["dynamic"] == {
-        "calls": 3, "pieces": 3, "seconds": pytest.approx(stats["variants"]["dynamic"]["seconds"]), "precision": "fp32"
+        "calls": 3,
+        "pieces": 3,
+        "seconds": pytest.approx(stats["variants"]["dynamic"]["seconds"]),
+        "precision": "fp32",
     }
     assert Live().stats()["calls"] == 0

@@ -42,14 +42,39 @@ def test_guard_error_is_a_value_error():
         (lambda m, i, k: m(i.int(), k), "input 'ids': dtype is int32, the artifact needs int64"),
         (lambda m, i, k: m(i.to("meta"), k), "input 'ids': a meta tensor has no data to compute on"),
         (lambda m, i, k: m(i[0], k), "input 'ids': has 1 dimensions (10,), the artifact needs 2 (shape [batch, seq])"),
-        (lambda m, i, k: m(i[:, :1], k[:, :1]), "input 'ids': dim 'seq' (axis 1) is 1, outside the built range [2, 48]"),
-        (lambda m, i, k: m(torch.zeros(2, 49, dtype=torch.int64), k), "input 'ids': dim 'seq' (axis 1) is 49, outside the built range [2, 48]"),
-        (lambda m, i, k: m(torch.zeros(9, 10, dtype=torch.int64), k), "input 'ids': dim 'batch' (axis 0) is 9, outside the built range [1, 8]"),
-        (lambda m, i, k: m(i, k[:, :9]), "input 'mask': dim 'seq' (axis 1) is 9, but another input has seq=10; inputs sharing a dim must agree"),
+        (
+            lambda m, i, k: m(i[:, :1], k[:, :1]),
+            "input 'ids': dim 'seq' (axis 1) is 1, outside the built range [2, 48]",
+        ),
+        (
+            lambda m, i, k: m(torch.zeros(2, 49, dtype=torch.int64), k),
+            "input 'ids': dim 'seq' (axis 1) is 49, outside the built range [2, 48]",
+        ),
+        (
+            lambda m, i, k: m(torch.zeros(9, 10, dtype=torch.int64), k),
+            "input 'ids': dim 'batch' (axis 0) is 9, outside the built range [1, 8]",
+        ),
+        (
+            lambda m, i, k: m(i, k[:, :9]),
+            "input 'mask': dim 'seq' (axis 1) is 9, but another input has seq=10; inputs sharing a dim must agree",
+        ),
         (lambda m, i, k: m(torch.zeros(10, 2, dtype=torch.int64).t(), k), "input 'ids': tensor is not contiguous"),
     ],
-    ids=["missing", "too-many", "unknown-kw", "twice", "not-tensor", "dtype", "meta", "rank", "below-min",
-         "above-max", "batch-above-max", "shared-dim", "non-contiguous"],
+    ids=[
+        "missing",
+        "too-many",
+        "unknown-kw",
+        "twice",
+        "not-tensor",
+        "dtype",
+        "meta",
+        "rank",
+        "below-min",
+        "above-max",
+        "batch-above-max",
+        "shared-dim",
+        "non-contiguous",
+    ],
 )
 def test_every_guard_raises_guard_error(model, call, message):
     ids, mask = inputs()
@@ -60,7 +85,9 @@ def test_every_guard_raises_guard_error(model, call, message):
 
 def test_static_size_guard(structured_artifact):
     model = loader.load(structured_artifact)
-    with pytest.raises(GuardError, match=r"input 'x': axis 1 is 7, the artifact needs exactly 8 \(shape \[batch, 8\]\)"):
+    with pytest.raises(
+        GuardError, match=r"input 'x': axis 1 is 7, the artifact needs exactly 8 \(shape \[batch, 8\]\)"
+    ):
         model(torch.zeros(2, 7))
 
 
@@ -90,7 +117,9 @@ def copy_with_manifest(src: Path, dst: Path, edit) -> Path:
 
 def test_unknown_format_is_refused(tmp_path, classifier_artifact):
     path = copy_with_manifest(classifier_artifact, tmp_path / "a", lambda m: m.update(format="something-else"))
-    with pytest.raises(ArtifactError, match="format: not 'precompile-artifact': this is not a precompile artifact's manifest"):
+    with pytest.raises(
+        ArtifactError, match="format: not 'precompile-artifact': this is not a precompile artifact's manifest"
+    ):
         loader.load(path)
 
 
@@ -152,9 +181,40 @@ print(json.dumps({
 def test_loader_imports_nothing_heavy_and_never_compiles(classifier_artifact):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
-        [sys.executable, "-c", ISOLATION, str(classifier_artifact)], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+        [sys.executable, "-c", ISOLATION, str(classifier_artifact)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
     )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["imported"] == []
     # A compile would cost seconds; the first call is allowed a few steady-state calls' worth of warm-up.
     assert report["first"] < 10 * report["steady"] + 0.05, report
+
+
+def test_load_warms_every_variant_unless_told_not_to(tagger_build, monkeypatch):
+    """warmup() runs (for real) inside load() by default, once, in the calling thread."""
+    import threading
+
+    real = loader.CompiledModel.warmup
+    runs = []
+
+    def watched(self):
+        runs.append(threading.get_ident())
+        variants_run = []
+        original = self.run_variant
+        self.run_variant = lambda vid, *a: (variants_run.append(vid), original(vid, *a))[1]
+        try:
+            real(self)
+        finally:
+            del self.run_variant
+        runs.append(tuple(variants_run))
+
+    monkeypatch.setattr(loader.CompiledModel, "warmup", watched)
+    model = loader.load(tagger_build.path)
+    assert runs == [threading.get_ident(), tuple(v.id for v in model.variants)]
+    assert model.stats()["calls"] == 0  # warm-up calls are not traffic
+    loader.load(tagger_build.path, warmup=False)
+    assert len(runs) == 2

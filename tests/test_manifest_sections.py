@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -20,10 +21,25 @@ from loader.manifest import CheckRecord, Measurement, Reference, parse_manifest
 
 WEIGHTS = "weights.safetensors"
 # What the build's measurement writes for a static variant it keeps (padding a batch to it pays).
-MEASURED = {"variant": "static-1", "dims": {"batch": 2, "seq": 8}, "static_ms": 1.0, "dynamic_ms": 3.0, "against": "dynamic-0", "speedup": 3.0, "kept": True}
+MEASURED = {
+    "variant": "static-1",
+    "dims": {"batch": 2, "seq": 8},
+    "static_ms": 1.0,
+    "dynamic_ms": 3.0,
+    "against": "dynamic-0",
+    "speedup": 3.0,
+    "kept": True,
+}
 # A batching section the tagger's shapes allow, so that its fields can be corrupted one by one too.
 BATCHING = {"dim": "batch", "pad": ["seq"], "pad_value": {"ids": 0, "mask": 0}, "checked": {"samples": 3}}
-CUDA = {"torch_cuda": "12.8", "capability": "9.0", "archs": ["9.0"], "multi_arch": False, "cuda_graphs": False, "device_name": "H200"}
+CUDA = {
+    "torch_cuda": "12.8",
+    "capability": "9.0",
+    "archs": ["9.0"],
+    "multi_arch": False,
+    "cuda_graphs": False,
+    "device_name": "H200",
+}
 
 
 def _set(path: str, value: Any) -> Callable[[dict], None]:
@@ -94,7 +110,10 @@ CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     "files-without-weights": (lambda m: m["files"].pop(WEIGHTS), "files"),
     # constants
     "constants-dtype-unknown": (lambda m: m["constants"][_first_constant(m)].update(dtype="x"), "constants.{c}.dtype"),
-    "constants-shape-negative": (lambda m: m["constants"][_first_constant(m)].update(shape=[-1]), "constants.{c}.shape[0]"),
+    "constants-shape-negative": (
+        lambda m: m["constants"][_first_constant(m)].update(shape=[-1]),
+        "constants.{c}.shape[0]",
+    ),
     "constants-entry-null": (lambda m: m["constants"].update({_first_constant(m): None}), "constants.{c}"),
     # variants
     "variants-empty": (_set("variants", []), "variants"),
@@ -109,7 +128,10 @@ CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     "variant-device-unknown": (_set("variants[0].device", "tpu"), "variants[0].device"),
     "variant-dtype-unknown": (_set("variants[0].dtype", "x"), "variants[0].dtype"),
     "variant-constant_prefix-an-int": (_set("variants[0].constant_prefix", 1), "variants[0].constant_prefix"),
-    "variant-embedded_constants-a-string": (_set("variants[0].embedded_constants", "yes"), "variants[0].embedded_constants"),
+    "variant-embedded_constants-a-string": (
+        _set("variants[0].embedded_constants", "yes"),
+        "variants[0].embedded_constants",
+    ),
     "variant-precision-unknown": (_set("variants[0].precision", "fp8"), "variants[0].precision"),
     "variant-fp32-with-a-gate": (_set("variants[0].gate", {"kept": True}), "variants[0]"),
     # check
@@ -129,9 +151,18 @@ CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     "reference-dims-unknown-dim": (_set("check.references[0].dims.width", 4), "check.references[0].dims.width"),
     "reference-inputs-of-ints": (_set("check.references[0].inputs", [1]), "check.references[0].inputs[0]"),
     "reference-outputs-a-string": (_set("check.references[0].outputs", "x"), "check.references[0].outputs"),
-    "reference-tolerance-a-single": (_set("check.references[0].tolerance[0]", [1e-5]), "check.references[0].tolerance[0]"),
-    "reference-tolerance-negative": (_set("check.references[0].tolerance[0]", [-1, 0]), "check.references[0].tolerance[0][0]"),
-    "reference-tolerance-one-short": (lambda m: m["check"]["references"][0]["tolerance"].pop(), "check.references[0].tolerance"),
+    "reference-tolerance-a-single": (
+        _set("check.references[0].tolerance[0]", [1e-5]),
+        "check.references[0].tolerance[0]",
+    ),
+    "reference-tolerance-negative": (
+        _set("check.references[0].tolerance[0]", [-1, 0]),
+        "check.references[0].tolerance[0][0]",
+    ),
+    "reference-tolerance-one-short": (
+        lambda m: m["check"]["references"][0]["tolerance"].pop(),
+        "check.references[0].tolerance",
+    ),
     "reference-device-unknown": (_set("check.references[0].device", "tpu"), "check.references[0].device"),
     "reference-accuracy-metric-an-int": (
         _set("check.references[0].accuracy", [{"metric": 3, "threshold": 1}]),
@@ -225,7 +256,21 @@ def test_a_malformed_field_is_refused_naming_its_section_and_field(tagger_build,
 def test_the_build_side_record_is_checked_as_the_loader_checks_it():
     """``CheckRecord.from_dict`` (what the build assembles) refuses what ``parse_manifest`` would."""
     with pytest.raises(ArtifactError, match=r"check\.measure\[0\]\.kept: expected true or false"):
-        CheckRecord.from_dict({"measure": [{"variant": "s", "dims": {}, "static_ms": 1, "dynamic_ms": 2, "against": "d", "speedup": 2, "kept": 1}]})
+        CheckRecord.from_dict(
+            {
+                "measure": [
+                    {
+                        "variant": "s",
+                        "dims": {},
+                        "static_ms": 1,
+                        "dynamic_ms": 2,
+                        "against": "d",
+                        "speedup": 2,
+                        "kept": 1,
+                    }
+                ]
+            }
+        )
     assert not CheckRecord.from_dict({}) and CheckRecord.from_dict({}).to_dict() == {}
 
 

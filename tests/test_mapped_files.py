@@ -19,7 +19,7 @@ import pytest
 
 import loader
 from loader.pack import read_head
-from precompile.ship import pack
+from precompile.ship.pack import pack
 
 SERVE_THEN_CHANGE = textwrap.dedent(
     """
@@ -54,7 +54,9 @@ SERVE_THEN_CHANGE = textwrap.dedent(
 
 
 @pytest.mark.parametrize("change", ["truncate", "cp-over", "rsync-inplace", "code"])
-def test_changing_a_served_folders_files_in_place_neither_crashes_nor_changes_results(classifier_artifact, tmp_path, change):
+def test_changing_a_served_folders_files_in_place_neither_crashes_nor_changes_results(
+    classifier_artifact, tmp_path, change
+):
     folder = shutil.copytree(classifier_artifact, tmp_path / "served")
     result = subprocess.run(
         [sys.executable, "-c", SERVE_THEN_CHANGE, str(folder), change],

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 import loader
 from loader.traffic import TrafficFileError, TrafficRecorder, read_histogram
+from precompile.authoring.merge import MergeError, merge_traffic
 from precompile.cli import main
-from precompile.merge import MergeError, merge_traffic
-from precompile.plan import read_distribution
 from precompile.profile import load_profile
+from precompile.traffic import read_distribution
 
 from .conftest import write_profile
 
@@ -45,8 +45,7 @@ def test_recorder_writes_the_histogram_most_frequent_first(model, tmp_path):
     with TrafficRecorder(model, path, interval=None):
         pass
     assert path.read_text() == (
-        '{"dims": {"batch": 2, "seq": 16}, "count": 3}\n'
-        '{"dims": {"batch": 1, "seq": 8}, "count": 2}\n'
+        '{"dims": {"batch": 2, "seq": 16}, "count": 3}\n{"dims": {"batch": 1, "seq": 8}, "count": 2}\n'
     )
 
 
@@ -90,7 +89,10 @@ def test_recorder_path_takes_the_process_id(model, tmp_path):
         ('{"dims": {"batch": 1}}\n', ':1: expected {"dims": {...}, "count": N}'),
         ('{"dims": {"batch": 1}, "count": -1}\n', ':1: "count" must be an integer >= 0, got -1'),
         ('{"dims": {"batch": "1"}, "count": 1}\n', ':1: dims.batch must be a size (an integer >= 0), got "1"'),
-        ('{"dims": {"batch": 1}, "count": 1}\n\n{"dims": {"seq": 1}, "count": 1}\n', ":3: dims seq differ from the earlier lines' (batch)"),
+        (
+            '{"dims": {"batch": 1}, "count": 1}\n\n{"dims": {"seq": 1}, "count": 1}\n',
+            ":3: dims seq differ from the earlier lines' (batch)",
+        ),
     ],
     ids=["json", "no-count", "negative", "string-size", "other-dims"],
 )
@@ -147,9 +149,7 @@ def test_merge_leaves_the_comment_that_opens_the_next_section_in_place(tmp_path)
     text = PROFILE.replace("check: {random_shapes: 6}", "\n# Checks against eager\ncheck: {random_shapes: 6}")
     profile = write_profile(tmp_path, text)
     merge_traffic(profile, [traffic(tmp_path / "a.jsonl", (2, 16, 7))])
-    assert profile.read_text() == text.replace(
-        "count: 5}\n", "count: 5}\n    - {batch: 2, seq: 16, count: 7}\n"
-    )
+    assert profile.read_text() == text.replace("count: 5}\n", "count: 5}\n    - {batch: 2, seq: 16, count: 7}\n")
 
 
 def test_merge_adds_a_distribution_when_there_is_none(tmp_path):
@@ -191,7 +191,10 @@ def test_merge_keeps_shapes_outside_the_ranges_and_counts_them(tmp_path):
 
 
 def test_merge_keeps_the_files_own_indentation(tmp_path):
-    text = "name: tiny-classifier\nmodel:\n    factory: \"tiny:classifier\"\ninputs:\n    x: {shape: [batch], dtype: float32}\ndims:\n    batch: {min: 1, max: 8}\n"
+    text = (
+        'name: tiny-classifier\nmodel:\n    factory: "tiny:classifier"\n'
+        "inputs:\n    x: {shape: [batch], dtype: float32}\ndims:\n    batch: {min: 1, max: 8}\n"
+    )
     profile = write_profile(tmp_path, text)
     recorded = tmp_path / "a.jsonl"
     recorded.write_text('{"dims": {"batch": 2}, "count": 3}\n')

@@ -21,9 +21,9 @@ from loader import ArtifactError, GuardError, IncompatibleArtifactError, Untrust
 from loader.host import ISA_FEATURES
 from loader.host import host_facts as torch_host_facts
 from loader.manifest import Variant, parse_manifest
-from loader.native.libs import feature_name, cpu_capability, cpu_features, find_torch, host_facts
+from loader.native.libs import cpu_capability, cpu_features, feature_name, find_torch, host_facts
 from loader.threads import CpuAllowance, default_threads, openmp_env
-from precompile.build import build
+from precompile.pipeline import build
 
 from .conftest import write_profile
 
@@ -109,7 +109,10 @@ def test_a_process_without_torch_serves_what_the_torch_loader_serves(tagger_buil
     threads = torch.get_num_threads()  # the same count as the torch loader here: it decides the sums' order
     proc = subprocess.run(
         [sys.executable, "-c", NO_TORCH, str(tagger_build.path), str(out), json.dumps(TAGGER_CALLS), str(threads)],
-        capture_output=True, text=True, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -136,7 +139,12 @@ def test_the_default_thread_count_is_the_torch_loaders(classifier_artifact):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
     counts = {
         name: subprocess.run(
-            [sys.executable, "-c", code, str(classifier_artifact)], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+            [sys.executable, "-c", code, str(classifier_artifact)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            check=True,
         ).stdout.split()[-1]
         for name, code in DEFAULT_THREADS.items()
     }
@@ -183,7 +191,10 @@ def test_stats_count_like_the_torch_loader(tagger_build):
         reference(torch.from_numpy(ids), torch.from_numpy(mask))
 
     def counts(stats):
-        return {**stats, "variants": {v: (s["calls"], s["pieces"], s["precision"]) for v, s in stats["variants"].items()}}
+        return {
+            **stats,
+            "variants": {v: (s["calls"], s["pieces"], s["precision"]) for v, s in stats["variants"].items()},
+        }
 
     assert counts(native.stats()) == counts(reference.stats())
     native.reset_stats()
@@ -243,8 +254,16 @@ def test_a_static_size_is_refused_with_the_torch_loaders_words(structured_artifa
 @pytest.mark.parametrize(
     "make, reason, message",
     [
-        (lambda: np.zeros((5, 2), np.int64).T, "not_contiguous", r"not C-contiguous \(strides \(1, 2\)\).*np.ascontiguousarray"),
-        (lambda: np.frombuffer(bytes(81), np.int64, 10, offset=1).reshape(2, 5), "not_aligned", "not aligned to its 8-byte"),
+        (
+            lambda: np.zeros((5, 2), np.int64).T,
+            "not_contiguous",
+            r"not C-contiguous \(strides \(1, 2\)\).*np.ascontiguousarray",
+        ),
+        (
+            lambda: np.frombuffer(bytes(81), np.int64, 10, offset=1).reshape(2, 5),
+            "not_aligned",
+            "not aligned to its 8-byte",
+        ),
         (lambda: np.zeros((2, 5), ">i8"), "dtype", "dtype is int64 in big-endian byte order, the artifact needs int64"),
         (lambda: np.ma.masked_array(np.zeros((2, 5), np.int64)), "tensor_subclass", "numpy.ndarray subclass"),
         (lambda: torch.zeros(2, 5, dtype=torch.int64), "not_a_tensor", "expected a numpy.ndarray, got Tensor"),
@@ -261,7 +280,10 @@ def test_a_read_only_memory_mapped_array_is_served(classifier, classifier_torch,
     path = tmp_path / "ids.npy"
     np.save(path, np.arange(10).reshape(2, 5))
     ids = np.load(path, mmap_mode="r")
-    assert np.array_equal(classifier(ids, np.ones((2, 5), bool)), classifier_torch(torch.arange(10).reshape(2, 5), torch.ones(2, 5, dtype=torch.bool)).numpy())
+    assert np.array_equal(
+        classifier(ids, np.ones((2, 5), bool)),
+        classifier_torch(torch.arange(10).reshape(2, 5), torch.ones(2, 5, dtype=torch.bool)).numpy(),
+    )
 
 
 # --- the same checks before any code is opened ------------------------------------------------------
@@ -278,7 +300,7 @@ def test_a_corrupt_file_is_refused_before_any_code_runs(classifier_artifact, tmp
 
 
 def test_signatures_and_minimum_versions_apply(classifier_pack, signing_keys, tmp_path):
-    from precompile.ship import sign
+    from precompile.ship.sign import sign
 
     signed = tmp_path / "signed.tar.zst"
     shutil.copy(classifier_pack, signed)
@@ -333,7 +355,10 @@ def test_openmp_settings_leave_the_users_own_alone():
 def test_host_facts_without_torch_agree_with_torchs():
     mine, torchs = host_facts(find_torch()), torch_host_facts()
     assert (mine.torch_version, mine.platform, mine.machine, mine.cpu_capability) == (
-        torchs.torch_version, torchs.platform, torchs.machine, torchs.cpu_capability,
+        torchs.torch_version,
+        torchs.platform,
+        torchs.machine,
+        torchs.cpu_capability,
     )
     checked = {f for features in ISA_FEATURES.values() for f in features} | {"avx512_bf16", "avx_vnni", "amx_int8"}
     assert mine.cpu_features & checked == torchs.cpu_features & checked
@@ -347,15 +372,28 @@ def test_a_cuda_only_artifact_is_refused_saying_to_use_torch(classifier_artifact
         m["target"]["device"] = "cuda"
         for v in m["variants"]:
             v["device"] = "cuda"
-        m["cuda"] = {"torch_cuda": "12.8", "capability": "9.0", "archs": ["9.0"], "multi_arch": False, "cuda_graphs": False, "device_name": "H100"}
+        m["cuda"] = {
+            "torch_cuda": "12.8",
+            "capability": "9.0",
+            "archs": ["9.0"],
+            "multi_arch": False,
+            "cuda_graphs": False,
+            "device_name": "H100",
+        }
 
-    with pytest.raises(IncompatibleArtifactError, match=r"(?s)cuda variants only.*torch-free loader runs CPU variants only.*loader.load\(\)"):
+    with pytest.raises(
+        IncompatibleArtifactError,
+        match=r"(?s)cuda variants only.*torch-free loader runs CPU variants only.*loader.load\(\)",
+    ):
         loader.load_native(copy_with(classifier_artifact, tmp_path / "cuda", edit))
 
 
 def test_bfloat16_inputs_are_refused_saying_to_use_torch(structured_artifact, tmp_path):
     path = copy_with(structured_artifact, tmp_path / "bf16", lambda m: m["inputs"][0].update(dtype="bfloat16"))
-    with pytest.raises(IncompatibleArtifactError, match=r"input 'x' is bfloat16, which numpy has no dtype for; load it with loader.load\(\)"):
+    with pytest.raises(
+        IncompatibleArtifactError,
+        match=r"input 'x' is bfloat16, which numpy has no dtype for; load it with loader.load\(\)",
+    ):
         loader.load_native(path)
 
 
@@ -405,13 +443,18 @@ def extern_artifact(tmp_path_factory) -> Path:
 def test_a_variant_needing_the_proxy_executor_is_recorded_and_refused(extern_artifact, tmp_path):
     manifest = json.loads((extern_artifact / "manifest.json").read_text())
     assert all("proxy executor" in v["needs_torch"] for v in manifest["variants"])
-    with pytest.raises(IncompatibleArtifactError, match=r"variant '.*' cannot run without torch: .*proxy executor.*loader.load\(\)"):
+    with pytest.raises(
+        IncompatibleArtifactError, match=r"variant '.*' cannot run without torch: .*proxy executor.*loader.load\(\)"
+    ):
         loader.load_native(extern_artifact)
     assert loader.load(extern_artifact)(torch.ones(2, 4)).shape == (2, 4)  # which the torch loader runs
 
     # An artifact whose build did not record it (an older build): the package itself is looked at.
     older = copy_with(extern_artifact, tmp_path / "older", lambda m: [v.pop("needs_torch") for v in m["variants"]])
-    with pytest.raises(IncompatibleArtifactError, match="cannot run without torch: it runs ops that have no C shim through torch's proxy executor"):
+    with pytest.raises(
+        IncompatibleArtifactError,
+        match="cannot run without torch: it runs ops that have no C shim through torch's proxy executor",
+    ):
         loader.load_native(older)
 
 

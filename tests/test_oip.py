@@ -30,7 +30,9 @@ def served(classifier_artifact):
 
 @pytest.fixture(scope="module")
 def client(served):
-    c = tritonclient_http.InferenceServerClient(url=served, concurrency=4, connection_timeout=DEADLINE, network_timeout=DEADLINE)
+    c = tritonclient_http.InferenceServerClient(
+        url=served, concurrency=4, connection_timeout=DEADLINE, network_timeout=DEADLINE
+    )
     yield c
     c.close()
 
@@ -46,7 +48,10 @@ def inputs(seed: int, batch: int = 1, seq: int = 9) -> tuple[np.ndarray, np.ndar
 
 
 def infer(client, ids: np.ndarray, mask: np.ndarray, *, binary: bool):
-    request = [tritonclient_http.InferInput("ids", list(ids.shape), "INT64"), tritonclient_http.InferInput("mask", list(mask.shape), "BOOL")]
+    request = [
+        tritonclient_http.InferInput("ids", list(ids.shape), "INT64"),
+        tritonclient_http.InferInput("mask", list(mask.shape), "BOOL"),
+    ]
     request[0].set_data_from_numpy(ids, binary_data=binary)
     request[1].set_data_from_numpy(mask, binary_data=binary)
     outputs = [tritonclient_http.InferRequestedOutput("output", binary_data=binary)]
@@ -98,8 +103,18 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_result(served, cla
         want = classifier(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     metrics = httpx.get(f"http://{served}/metrics", timeout=DEADLINE).text
-    batches = next(s.value for f in text_string_to_metric_families(metrics) for s in f.samples if s.name == "precompile_batch_size_count")
-    rows = next(s.value for f in text_string_to_metric_families(metrics) for s in f.samples if s.name == "precompile_batch_size_sum")
+    batches = next(
+        s.value
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "precompile_batch_size_count"
+    )
+    rows = next(
+        s.value
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "precompile_batch_size_sum"
+    )
     assert rows >= len(calls) and batches < rows  # some calls ran together
 
 

@@ -20,7 +20,8 @@ import loader
 from loader.errors import InsecurePathError
 from loader.fs import make_writable
 from loader.pack import read_head
-from precompile.ship import pack, sign
+from precompile.ship.pack import pack
+from precompile.ship.sign import sign
 
 OTHER = 12345  # a uid that is not ours
 
@@ -59,7 +60,9 @@ def test_a_cache_folder_group_or_others_can_write_is_refused(packed, cache, fold
 def test_a_cache_root_another_user_owns_is_refused(packed, cache):
     needs_root()
     os.chown(cache, OTHER, -1)
-    with pytest.raises(InsecurePathError, match=f"owned by uid {OTHER}, not by this user .*`chown -R 0 {cache}`.*PRECOMPILE_CACHE"):
+    with pytest.raises(
+        InsecurePathError, match=f"owned by uid {OTHER}, not by this user .*`chown -R 0 {cache}`.*PRECOMPILE_CACHE"
+    ):
         loader.load(packed, cache_dir=cache)
 
 
@@ -106,7 +109,9 @@ def test_a_planted_entry_with_a_forged_record_of_another_user_is_refused(packed,
 
 def test_a_record_others_can_write_is_refused(packed, cache):
     plant(cache, packed, record_mode=0o666)
-    with pytest.raises(InsecurePathError, match=r"\.verified: a precompile cache record is writable by group or others"):
+    with pytest.raises(
+        InsecurePathError, match=r"\.verified: a precompile cache record is writable by group or others"
+    ):
         loader.load(packed, cache_dir=cache)
 
 
@@ -114,7 +119,9 @@ def test_an_entry_another_user_owns_is_refused(packed, cache):
     needs_root()
     entry = entry_of(cache, packed)
     os.chown(entry, OTHER, -1)
-    with pytest.raises(InsecurePathError, match="a precompile cache entry is owned by uid 12345.*precompile cache clear"):
+    with pytest.raises(
+        InsecurePathError, match="a precompile cache entry is owned by uid 12345.*precompile cache clear"
+    ):
         loader.load(packed, cache_dir=cache)
 
 
@@ -152,7 +159,10 @@ def test_a_state_folder_others_can_write_is_refused(classifier_artifact, tmp_pat
     state = tmp_path / "state"
     state.mkdir(mode=0o777)
     state.chmod(0o777)
-    with pytest.raises(InsecurePathError, match=f"the precompile state folder is writable by group or others .*`chmod go-w {state}`.*PRECOMPILE_STATE"):
+    with pytest.raises(
+        InsecurePathError,
+        match=f"the precompile state folder is writable by group or others .*`chmod go-w {state}`.*PRECOMPILE_STATE",
+    ):
         loader.load(classifier_artifact, refuse_rollback=True, state_dir=state)
 
 

@@ -22,7 +22,7 @@ from loader import constants as C
 from loader.pack import read_head, read_partial_head, unpack, verify_pack, walk_frames
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.ship import pack
+from precompile.ship.pack import pack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,11 @@ def test_loading_a_pack_gives_the_same_model_as_the_folder(classifier_artifact, 
 
 
 def test_pack_is_a_plain_tar_stream_with_the_manifest_first(classifier_artifact, classifier_pack):
-    data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(classifier_pack.read_bytes()), read_across_frames=True).read()
+    data = (
+        zstandard.ZstdDecompressor()
+        .stream_reader(io.BytesIO(classifier_pack.read_bytes()), read_across_frames=True)
+        .read()
+    )
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         members = tar.getmembers()
     names = [m.name for m in members]
@@ -91,7 +95,7 @@ def test_a_corrupt_artifact_is_never_packed(classifier_artifact, tmp_path):
 
 
 def test_pack_refuses_a_signature_of_another_manifest(classifier_artifact, signing_keys, tmp_path):
-    from precompile.ship import sign
+    from precompile.ship.sign import sign
 
     folder = tmp_path / "a"
     shutil.copytree(classifier_artifact, folder)
@@ -133,7 +137,11 @@ def test_zstandard_and_cryptography_load_only_when_needed(classifier_artifact, c
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run(
         [sys.executable, "-c", ISOLATION, str(classifier_artifact), str(classifier_pack), str(tmp_path / "cache")],
-        capture_output=True, text=True, cwd=ROOT, env=env, check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
     )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"folder": [], "pack": ["zstandard"]}
@@ -148,7 +156,11 @@ def test_a_partial_head_is_none_until_the_manifest_and_signature_have_arrived(cl
     for cut in (0, 3, 100, first // 2, first - 1, first + (1 << 17) + 32, len(data)):  # + the next frame's first block
         partial.write_bytes(data[:cut])
         head = read_partial_head(partial)
-        seen.append(head is not None and (head.manifest_bytes, head.signature, head.digest) == (whole.manifest_bytes, whole.signature, whole.digest))
+        seen.append(
+            head is not None
+            and (head.manifest_bytes, head.signature, head.digest)
+            == (whole.manifest_bytes, whole.signature, whole.digest)
+        )
     assert seen == [False] * 5 + [True, True]
 
 
@@ -157,6 +169,8 @@ def test_a_partial_head_refuses_bytes_that_are_no_pack_at_once(tmp_path):
     junk.write_bytes(os.urandom(1 << 16))
     with pytest.raises(ArtifactError, match="not a pack"):
         read_partial_head(junk)
-    junk.write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(b"not a tar header" * 64) + os.urandom(1 << 16))
+    junk.write_bytes(
+        zstandard.ZstdCompressor(write_checksum=True).compress(b"not a tar header" * 64) + os.urandom(1 << 16)
+    )
     with pytest.raises(ArtifactError, match="header checksum does not match"):
         read_partial_head(junk)

@@ -9,8 +9,9 @@ from click.testing import CliRunner
 
 from precompile.cli import main
 from precompile.errors import ProfileError
-from precompile.plan import plan_variants, read_distribution
 from precompile.profile import load_profile
+from precompile.stages.plan import plan_variants
+from precompile.traffic import read_distribution
 
 from .conftest import write_profile
 
@@ -75,7 +76,9 @@ def test_dynamic_hint_is_the_hottest_shape_it_serves(tmp_path):
 
 def test_no_traffic_means_one_dynamic_variant(tmp_path):
     plan = plan_for(tmp_path)
-    assert [(v.id, v.kind, v.ranges) for v in plan.variants] == [("dynamic", "dynamic", {"batch": (1, 16), "seq": (8, 512)})]
+    assert [(v.id, v.kind, v.ranges) for v in plan.variants] == [
+        ("dynamic", "dynamic", {"batch": (1, 16), "seq": (8, 512)})
+    ]
 
 
 def test_out_of_range_traffic_is_reported_with_policy(tmp_path):
@@ -107,7 +110,9 @@ def test_distribution_file_and_shapes_are_merged(tmp_path):
 
 def test_bad_distribution_lines_are_named(tmp_path):
     with pytest.raises(ProfileError) as info:
-        plan_for(tmp_path, "distribution: {file: t.jsonl}\n", {"t.jsonl": '{"dims": {"batch": 1}, "count": 2}\nnot json\n'})
+        plan_for(
+            tmp_path, "distribution: {file: t.jsonl}\n", {"t.jsonl": '{"dims": {"batch": 1}, "count": 2}\nnot json\n'}
+        )
     ((place, message),) = info.value.problems
     assert place == "distribution.file"
     assert message.endswith("t.jsonl:1: dims ['batch'] are not the profile's ['batch', 'seq']")
@@ -124,7 +129,10 @@ def test_plan_is_deterministic(tmp_path):
 def test_pad_or_split_without_outputs_is_refused(tmp_path):
     with pytest.raises(ProfileError) as info:
         plan_for(tmp_path, "policy: {out_of_range: {seq: pad}}\n")
-    assert ("policy.out_of_range.seq", "pad needs `outputs:` to declare which output axes follow 'seq'") in info.value.problems
+    assert (
+        "policy.out_of_range.seq",
+        "pad needs `outputs:` to declare which output axes follow 'seq'",
+    ) in info.value.problems
 
 
 def test_split_needs_every_output_to_follow_the_dim(tmp_path):

@@ -8,10 +8,11 @@ import torch
 
 import loader
 from loader import GuardError
-from precompile.build import build
-from precompile.check import CheckReport, check_policies, check_policy_outputs, policy_sizes
+from precompile.compare import CheckReport
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
+from precompile.stages.check import Staged, check_policies, check_policy_outputs, policy_sizes
 
 from .conftest import TAGGER_PROFILE, write_profile
 from .models.tiny import scores, tagger
@@ -81,7 +82,9 @@ def test_a_split_that_cannot_be_undone_is_refused_and_in_range_calls_still_serve
     """An artifact (from an older build, or edited) that splits seq with seq on two output axes."""
     path = copy_with_manifest(scores_build.path, tmp_path / "a", lambda m: m["policy"].update(seq="split"))
     bad = loader.load(path)
-    with pytest.raises(GuardError, match=r"its policy is split, which this artifact cannot undo: output 0 follows 'seq' on axes 1, 2") as info:
+    with pytest.raises(
+        GuardError, match=r"its policy is split, which this artifact cannot undo: output 0 follows 'seq' on axes 1, 2"
+    ) as info:
         bad(ids(2, 13))
     assert info.value.reason == "policy"
     x = ids(2, 12)
@@ -102,8 +105,8 @@ def test_split_counts_once_as_a_call_and_each_piece_as_a_piece(scores_build):
 
 
 def test_the_build_runs_each_policy_past_its_range_against_eager(scores_build):
-    checked = [s for s in scores_build.check.per_shape if "(" in s["variant"]]
-    assert {(s["variant"], tuple(s["dims"].items())) for s in checked} >= {
+    checked = [s for s in scores_build.check.per_shape if "(" in s.variant]
+    assert {(s.variant, tuple(s.dims.items())) for s in checked} >= {
         ("dynamic (batch: split)", (("batch", 5), ("seq", 7))),
         ("dynamic (batch: split)", (("batch", 9), ("seq", 7))),
         ("dynamic (seq: pad)", (("batch", 2), ("seq", 3))),
@@ -136,7 +139,7 @@ def test_a_policy_that_changes_the_results_is_a_profile_error(tagger_build, tmp_
     path = copy_with_manifest(tagger_build.path, tmp_path / "a", lambda m: m["pad_value"].update(mask=1.0))
     loaded = load_profile(profile)
     with pytest.raises(ProfileError) as info:
-        check_policies(loaded, tagger().eval(), path, CheckReport())
+        check_policies(loaded, tagger().eval(), Staged(path, target="cpu", lower_precisions=False), CheckReport())
     [(place, message)] = info.value.problems
     assert place == "policy.out_of_range.seq"
     assert message.startswith("pad changes the results (variant dynamic-0 (seq: pad), batch=")

@@ -22,9 +22,9 @@ import loader
 import loader.model as loader_model
 from loader.errors import ArtifactError, IncompatibleArtifactError
 from loader.manifest import parse_manifest
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
 
 MODELS = Path(__file__).parent / "models" / "lowp.py"
@@ -80,7 +80,9 @@ calibration: {file: calib.jsonl}
 def strict_gate(tmp_path_factory):
     """bf16 under a gate it cannot pass (max abs error 0 on the float output)."""
     folder = tmp_path_factory.mktemp("strict")
-    profile = write(folder, ENCODER + "precision: [bf16]\naccuracy: {metric: max_abs, threshold: 0.0, min_speedup: 0}\n")
+    profile = write(
+        folder, ENCODER + "precision: [bf16]\naccuracy: {metric: max_abs, threshold: 0.0, min_speedup: 0}\n"
+    )
     return build(profile, folder / "artifact")
 
 
@@ -135,12 +137,20 @@ def test_build_keeps_each_precision_with_its_gate_record(lowp):
         assert gate["kept"] and gate["against"] == "dynamic" and gate["samples"] == 6  # the calibration file's
         cosine, exact = gate["accuracy"]
         assert cosine["metric"] == "cosine" and 0.99 <= cosine["value"] <= 1.0 + 1e-9 and cosine["passed"]
-        assert exact == {"output": 1, "metric": "equal", "threshold": 1.0, "value": 1.0, "passed": True}  # ids.sum: integer
+        assert exact == {
+            "output": 1,
+            "metric": "equal",
+            "threshold": 1.0,
+            "value": 1.0,
+            "passed": True,
+        }  # ids.sum: integer
         assert gate["ms"] > 0 and gate["fp32_ms"] > 0 and gate["speedup"] == pytest.approx(gate["fp32_ms"] / gate["ms"])
     # The CPU features recorded are the build host's among those each precision's kernels may use.
     host = torch.cpu.get_capabilities()
     assert set(by_id["bf16-dynamic"].cpu_features) == {f for f in ("avx512_bf16", "amx_bf16") if host.get(f) is True}
-    assert set(by_id["int8-dynamic"].cpu_features) == {f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if host.get(f) is True}
+    assert set(by_id["int8-dynamic"].cpu_features) == {
+        f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if host.get(f) is True
+    }
 
 
 def test_a_variant_failing_the_gate_is_dropped_with_its_reason(strict_gate):
@@ -191,7 +201,12 @@ def test_auto_serves_the_kept_precisions_fp32_serves_fp32(lowp):
         assert model.precision.order == (precision, "fp32")
         assert model.call_detailed(ids, mask)[1] == f"{precision}-dynamic"
         stats = model.stats()
-        assert stats["variants"][f"{precision}-dynamic"] == {"calls": 1, "pieces": 1, "seconds": pytest.approx(stats["variants"][f"{precision}-dynamic"]["seconds"]), "precision": precision}
+        assert stats["variants"][f"{precision}-dynamic"] == {
+            "calls": 1,
+            "pieces": 1,
+            "seconds": pytest.approx(stats["variants"][f"{precision}-dynamic"]["seconds"]),
+            "precision": precision,
+        }
         assert stats["precision"]["served"] == [precision, "fp32"]
 
 
@@ -275,15 +290,32 @@ def test_auto_ranks_each_variants_twins_by_their_own_measurement():
     def v(vid, precision="fp32", ms=None, lo=1, hi=8):
         gate = None if precision == "fp32" else {"against": vid.split("-", 1)[1], "ms": ms, "speedup": 2.0}
         features = ("avx512_vnni",) if precision == "int8" else ("avx512_bf16",) if precision == "bf16" else ()
-        return Variant(vid, "dynamic", f"variants/{vid}.pt2", {"seq": DimRange(lo, hi)}, {"seq": lo}, (), precision=precision, cpu_features=features, gate=gate)
+        return Variant(
+            vid,
+            "dynamic",
+            f"variants/{vid}.pt2",
+            {"seq": DimRange(lo, hi)},
+            {"seq": lo},
+            (),
+            precision=precision,
+            cpu_features=features,
+            gate=gate,
+        )
 
     variants = [
-        v("short", hi=32), v("long", lo=33, hi=128),
-        v("int8-short", "int8", 1.0, hi=32), v("bf16-short", "bf16", 1.5, hi=32),
-        v("int8-long", "int8", 30.0, lo=33, hi=128), v("bf16-long", "bf16", 20.0, lo=33, hi=128),
+        v("short", hi=32),
+        v("long", lo=33, hi=128),
+        v("int8-short", "int8", 1.0, hi=32),
+        v("bf16-short", "bf16", 1.5, hi=32),
+        v("int8-long", "int8", 30.0, lo=33, hi=128),
+        v("bf16-long", "bf16", 20.0, lo=33, hi=128),
     ]
     tiers = choose(variants, "auto", frozenset({"avx512_vnni", "avx512_bf16"}), "x").tiers(variants)
-    assert [[t.id for t in tier] for tier in tiers] == [["int8-short", "bf16-long"], ["bf16-short", "int8-long"], ["short", "long"]]
+    assert [[t.id for t in tier] for tier in tiers] == [
+        ["int8-short", "bf16-long"],
+        ["bf16-short", "int8-long"],
+        ["short", "long"],
+    ]
     tiers = choose(variants, "bf16", frozenset({"avx512_vnni", "avx512_bf16"}), "x").tiers(variants)
     assert [[t.id for t in tier] for tier in tiers] == [["bf16-short", "bf16-long"], ["short", "long"]]
     tiers = choose(variants, "auto", frozenset({"avx512_vnni"}), "x").tiers(variants)  # no bf16 on this CPU
@@ -338,6 +370,8 @@ def test_calibration_values_must_respect_the_declared_ranges(tmp_path):
     (tmp_path / "calib.jsonl").write_text(json.dumps({"ids": [[1, 2, 99]], "mask": [[True] * 3]}) + "\n")
     path = write(tmp_path, ENCODER + "precision: [int8]\ncalibration: {file: calib.jsonl}\n")
     with pytest.raises(ProfileError, match=r"input 'ids' holds values in \[1, 99\], outside its range \[0.0, 49.0\]"):
-        from precompile.precision import calibration_inputs
+        from precompile.calibration import calibration_inputs
+        from precompile.traffic import read_distribution
 
-        calibration_inputs(load_profile(path))
+        loaded = load_profile(path)
+        calibration_inputs(loaded, read_distribution(loaded))

@@ -89,7 +89,9 @@ def test_missing_weights_file(tmp_path):
 
 
 def test_several_problems_are_reported_together(tmp_path):
-    text = GOOD.replace("{min: 2, max: 48}", "{min: 60, max: 48}").replace("[batch, seq], dtype: bool", "[batch, sq], dtype: bool")
+    text = GOOD.replace("{min: 2, max: 48}", "{min: 60, max: 48}").replace(
+        "[batch, seq], dtype: bool", "[batch, sq], dtype: bool"
+    )
     assert len(problems(tmp_path, text)) == 2
 
 

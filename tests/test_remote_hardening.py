@@ -12,10 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError
-from loader import remote
+from loader import ArtifactError, remote
 from precompile.cli import main
-from precompile.remote import promote, push
+from precompile.ship.remote import promote, push
 
 from .test_remote import STORE, cache_state, downloads, s3, store_env  # noqa: F401  (fixtures)
 
@@ -74,8 +73,14 @@ CORRUPTIONS = {
         lambda index: {**index, "versions": {"1": {**index["versions"]["1"], "file": "../other-model/1.tar.zst"}}},
         "versions.\"1\".file: '../other-model/1.tar.zst': version 1 is published as 1.tar.zst in the model's folder",
     ),
-    "versions that are a list": (lambda index: {**index, "versions": []}, "versions: expected an object of version numbers"),
-    "not JSON": (None, "not an index `precompile push` wrote (not valid JSON: Expecting value: line 1 column 1 (char 0))"),
+    "versions that are a list": (
+        lambda index: {**index, "versions": []},
+        "versions: expected an object of version numbers",
+    ),
+    "not JSON": (
+        None,
+        "not an index `precompile push` wrote (not valid JSON: Expecting value: line 1 column 1 (char 0))",
+    ),
 }
 
 COMMANDS = {
@@ -101,14 +106,17 @@ def test_push_refuses_to_extend_a_damaged_index(published, classifier_versions):
     put(INDEX, json.dumps({**published, "versions": {"latest": published["versions"]["1"]}}).encode())
     before = store_bytes(MODEL)
     result = run("push", str(classifier_versions[1]), STORE)
-    assert result.exit_code == 1 and result.output.startswith(f"Error: {INDEX}: versions.\"latest\"")
+    assert result.exit_code == 1 and result.output.startswith(f'Error: {INDEX}: versions."latest"')
     assert store_bytes(MODEL) == before  # version 2 was not uploaded either
 
 
 def test_an_index_in_the_wrong_folder_is_refused(published):
     put(INDEX, json.dumps({**published, "name": "other-model"}).encode())
     result = run("ls", MODEL)
-    assert (result.exit_code, result.output) == (1, f"Error: {INDEX}: name: 'other-model', but the index is in the folder of '{NAME}'\n")
+    assert (result.exit_code, result.output) == (
+        1,
+        f"Error: {INDEX}: name: 'other-model', but the index is in the folder of '{NAME}'\n",
+    )
 
 
 # --- 7: a refused deploy changes nothing ------------------------------------------------------
@@ -116,7 +124,12 @@ def test_an_index_in_the_wrong_folder_is_refused(published):
 
 def test_a_promote_refused_for_a_file_outside_the_folder_leaves_the_store_as_it_was(published, classifier_pack):
     put(f"{STORE}/other-model/1.tar.zst", classifier_pack.read_bytes())
-    put(INDEX, json.dumps({**published, "versions": {"1": {**published["versions"]["1"], "file": "../other-model/1.tar.zst"}}}).encode())
+    put(
+        INDEX,
+        json.dumps(
+            {**published, "versions": {"1": {**published["versions"]["1"], "file": "../other-model/1.tar.zst"}}}
+        ).encode(),
+    )
     before = store_bytes(STORE)
     result = run("promote", MODEL, "--version", "1")
     assert result.exit_code == 1 and "version 1 is published as 1.tar.zst in the model's folder" in result.output
@@ -187,10 +200,15 @@ def test_an_unsigned_pack_followed_by_junk_is_refused_after_its_head(s3, classif
     assert cache_state(s3.root.parent) == ([], [])
 
 
-def test_a_pack_followed_by_more_junk_than_its_manifest_accounts_for_is_refused_after_its_head(s3, classifier_pack, written):
+def test_a_pack_followed_by_more_junk_than_its_manifest_accounts_for_is_refused_after_its_head(
+    s3, classifier_pack, written
+):
     url = f"{STORE}/appended/1.tar.zst"
     put(url, classifier_pack.read_bytes() + bytes(JUNK))
-    with pytest.raises(ArtifactError, match=rf"^{url}: {classifier_pack.stat().st_size + JUNK} bytes, more than the \d+ a pack of its manifest can take \(bytes appended\?\)$"):
+    with pytest.raises(
+        ArtifactError,
+        match=rf"^{url}: {classifier_pack.stat().st_size + JUNK} bytes, more than the \d+ a pack of its manifest can take \(bytes appended\?\)$",
+    ):
         loader.load(url)  # no trust policy: the head is admitted, its size is not
     assert len(written) == 1 and written[0] <= remote.FIRST_CHUNK
     assert cache_state(s3.root.parent) == ([], [])
@@ -210,7 +228,10 @@ def test_max_bytes_refuses_a_larger_object_before_downloading(s3, classifier_pac
     size = classifier_pack.stat().st_size
     with pytest.raises(ArtifactError) as caught:
         loader.load(pushed.url, max_bytes=size - 1)
-    assert str(caught.value) == f"{pushed.url}: the store's object is {size} bytes, more than max_bytes={size - 1}; refusing to download it"
+    assert (
+        str(caught.value)
+        == f"{pushed.url}: the store's object is {size} bytes, more than max_bytes={size - 1}; refusing to download it"
+    )
     assert downloads == [] and cache_state(s3.root.parent) == ([], [])
     assert loader.load(pushed.url, max_bytes=size).manifest.version == pushed.version
     with pytest.raises(loader.LoaderError, match=r"^max_bytes='1 GB': expected a positive number of bytes$"):
@@ -236,7 +257,9 @@ def test_a_load_refuses_a_pack_whose_sha256_is_not_the_indexed_one(s3, classifie
     put(pushed.url, bytes(data))
     with pytest.raises(ArtifactError) as caught:
         loader.load(pushed.url)
-    assert str(caught.value) == f"{pushed.url}: its sha256 is not the one in index.json (changed in the store, or corrupt)"
+    assert (
+        str(caught.value) == f"{pushed.url}: its sha256 is not the one in index.json (changed in the store, or corrupt)"
+    )
     assert cache_state(s3.root.parent) == ([], [])
 
 
@@ -250,7 +273,11 @@ def test_a_fresh_file_store_takes_push_promote_pull_ls_and_load(store_env, class
     assert pushed.exit_code == 0, pushed.output
     assert pushed.output.startswith(f"{store}/{NAME}/1.tar.zst (")
     listed = run("ls", store)
-    assert listed.exit_code == 0 and listed.output.splitlines()[0] == NAME and listed.output.splitlines()[1].startswith("  v1 ")
+    assert (
+        listed.exit_code == 0
+        and listed.output.splitlines()[0] == NAME
+        and listed.output.splitlines()[1].startswith("  v1 ")
+    )
     promoted = run("promote", f"{store}/{NAME}", "--version", "1")
     assert (promoted.exit_code, promoted.output) == (0, f"{store}/{NAME}/current -> {store}/{NAME}/1.tar.zst\n")
     pulled = run("pull", f"{store}/{NAME}", "-o", str(tmp_path / "pulled.tar.zst"))

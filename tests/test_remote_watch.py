@@ -11,11 +11,10 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError, Live
-from loader import remote
+from loader import ArtifactError, Live, remote
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.remote import promote, push
+from precompile.ship.remote import promote, push
 
 from .test_live import wait_for
 from .test_remote import STORE, downloads, s3, store_env  # noqa: F401  (fixtures)

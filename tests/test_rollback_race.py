@@ -20,7 +20,7 @@ import pytest
 
 import loader
 from loader import UntrustedArtifactError
-from loader.artifact import read_manifest_with_bytes, manifest_digest
+from loader.artifact import manifest_digest, read_manifest_with_bytes
 from loader.trust import VersionLedger
 
 
@@ -98,7 +98,10 @@ RACER = textwrap.dedent(
 
 
 def test_two_builds_of_one_version_loaded_at_once_from_processes_one_is_refused(classifier_artifact, tmp_path):
-    builds = [build_of(classifier_artifact, tmp_path / name, 7, f"20{30 + i}-01-01T00:00:00+00:00") for i, name in enumerate("ab")]
+    builds = [
+        build_of(classifier_artifact, tmp_path / name, 7, f"20{30 + i}-01-01T00:00:00+00:00")
+        for i, name in enumerate("ab")
+    ]
     go = tmp_path / "go"
     procs = [
         subprocess.Popen(
@@ -116,7 +119,9 @@ def test_two_builds_of_one_version_loaded_at_once_from_processes_one_is_refused(
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
     lines = sorted(out.strip().splitlines()[-1] for out, _ in outputs)
     assert lines[0] == "loaded"
-    assert lines[1].startswith("refused:") and "version 7 was already loaded on this host with other content" in lines[1]
+    assert (
+        lines[1].startswith("refused:") and "version 7 was already loaded on this host with other content" in lines[1]
+    )
 
 
 def test_a_conflicting_record_written_during_a_load_is_an_error_not_a_silent_no_op(classifier_artifact, tmp_path):
@@ -138,6 +143,8 @@ def test_a_failed_load_releases_the_lock_and_records_nothing(classifier_artifact
     with pytest.raises(loader.ArtifactError):
         loader.load(broken, refuse_rollback=True, state_dir=state)
     done = threading.Event()
-    threading.Thread(target=lambda: (loader.load(classifier_artifact, refuse_rollback=True, state_dir=state), done.set())).start()
+    threading.Thread(
+        target=lambda: (loader.load(classifier_artifact, refuse_rollback=True, state_dir=state), done.set())
+    ).start()
     assert done.wait(30), "the failed load kept the ledger's lock"
     assert VersionLedger(state).seen("tiny-classifier")[0] == 1

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -17,8 +18,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
-
-from dataclasses import replace
 
 from loader import GuardError, Live
 from loader.artifact import manifest_digest, read_manifest, read_manifest_with_bytes
@@ -125,23 +124,81 @@ for _ in range(40):
 @pytest.mark.parametrize(
     "inputs, detail, reason",
     [
-        ({"ids": [[1] * 49] * 2, "mask": [[True] * 49] * 2}, "input 'ids': dim 'seq' (axis 1) is 49, outside the built range [2, 48]", "out_of_range"),
-        ({"ids": [[1] * 10] * 2, "mask": [[True] * 9] * 2}, "input 'mask': dim 'seq' (axis 1) is 9, but another input has seq=10", "dim_mismatch"),
+        (
+            {"ids": [[1] * 49] * 2, "mask": [[True] * 49] * 2},
+            "input 'ids': dim 'seq' (axis 1) is 49, outside the built range [2, 48]",
+            "out_of_range",
+        ),
+        (
+            {"ids": [[1] * 10] * 2, "mask": [[True] * 9] * 2},
+            "input 'mask': dim 'seq' (axis 1) is 9, but another input has seq=10",
+            "dim_mismatch",
+        ),
         ({"ids": [[1] * 10] * 2}, "missing input(s): mask (inputs: ids, mask)", "missing_input"),
-        ({"ids": [[1] * 10] * 2, "mask": [[True] * 10] * 2, "masks": [[1]]}, "unknown input 'masks' (inputs: ids, mask)", "unknown_input"),
+        (
+            {"ids": [[1] * 10] * 2, "mask": [[True] * 10] * 2, "masks": [[1]]},
+            "unknown input 'masks' (inputs: ids, mask)",
+            "unknown_input",
+        ),
         ({"ids": [1] * 10, "mask": [True] * 10}, "input 'ids': has 1 dimensions (10,), the artifact needs 2", "rank"),
-        ({"ids": [[1.5] * 10] * 2, "mask": [[True] * 10] * 2}, "input 'ids': is int64, so its values must be integers", "invalid_body"),
-        ({"ids": [[1] * 10] * 2, "mask": [[1] * 10] * 2}, "input 'mask': is bool, so its values must be true or false", "invalid_body"),
-        ({"ids": [[1] * 10, [1] * 9], "mask": [[True] * 10] * 2}, "input 'ids': not a rectangular nested list of numbers", "invalid_body"),
-        ({"ids": "1 2 3", "mask": [[True] * 10] * 2}, "input 'ids': expected a nested list of numbers, got a string", "invalid_body"),
-        ({"ids": [[2**70] * 10] * 2, "mask": [[True] * 10] * 2}, "input 'ids': not a rectangular nested list of numbers (Overflow", "invalid_body"),
-        ({"ids": [[True] + [1] * 9] * 2, "mask": [[True] * 10] * 2}, "input 'ids': is int64, so its values must be integers", "invalid_body"),
-        ({"ids": [[True] * 10] * 2, "mask": [[True] * 10] * 2}, "input 'ids': is int64, so its values must be integers", "invalid_body"),
-        ({"ids": [[1e300] * 10] * 2, "mask": [[True] * 10] * 2}, "input 'ids': is int64, so its values must be integers", "invalid_body"),
+        (
+            {"ids": [[1.5] * 10] * 2, "mask": [[True] * 10] * 2},
+            "input 'ids': is int64, so its values must be integers",
+            "invalid_body",
+        ),
+        (
+            {"ids": [[1] * 10] * 2, "mask": [[1] * 10] * 2},
+            "input 'mask': is bool, so its values must be true or false",
+            "invalid_body",
+        ),
+        (
+            {"ids": [[1] * 10, [1] * 9], "mask": [[True] * 10] * 2},
+            "input 'ids': not a rectangular nested list of numbers",
+            "invalid_body",
+        ),
+        (
+            {"ids": "1 2 3", "mask": [[True] * 10] * 2},
+            "input 'ids': expected a nested list of numbers, got a string",
+            "invalid_body",
+        ),
+        (
+            {"ids": [[2**70] * 10] * 2, "mask": [[True] * 10] * 2},
+            "input 'ids': not a rectangular nested list of numbers (Overflow",
+            "invalid_body",
+        ),
+        (
+            {"ids": [[True] + [1] * 9] * 2, "mask": [[True] * 10] * 2},
+            "input 'ids': is int64, so its values must be integers",
+            "invalid_body",
+        ),
+        (
+            {"ids": [[True] * 10] * 2, "mask": [[True] * 10] * 2},
+            "input 'ids': is int64, so its values must be integers",
+            "invalid_body",
+        ),
+        (
+            {"ids": [[1e300] * 10] * 2, "mask": [[True] * 10] * 2},
+            "input 'ids': is int64, so its values must be integers",
+            "invalid_body",
+        ),
         ({"ids": DEEP, "mask": [[True]]}, "input 'ids': nested more than 32 lists deep", "invalid_body"),
     ],
-    ids=["out-of-range", "dim-mismatch", "missing", "unknown", "rank", "float-for-int", "int-for-bool", "ragged", "string", "overflow",
-         "bool-among-ints", "bools-for-int", "huge-float-for-int", "deep"],
+    ids=[
+        "out-of-range",
+        "dim-mismatch",
+        "missing",
+        "unknown",
+        "rank",
+        "float-for-int",
+        "int-for-bool",
+        "ragged",
+        "string",
+        "overflow",
+        "bool-among-ints",
+        "bools-for-int",
+        "huge-float-for-int",
+        "deep",
+    ],
 )
 def test_bad_inputs_are_422_with_the_guard_text(client, inputs, detail, reason):
     response = client.post("/predict", json={"inputs": inputs})
@@ -169,6 +226,7 @@ def test_a_body_over_the_limit_is_413(client):
     payload, _ = body(8, 48)
     big = json.dumps({"inputs": {**payload["inputs"], "pad": [0] * 30_000}}).encode()
     assert client.post("/predict", content=big).status_code == 413
+
     # without a Content-Length (chunked), the limit holds while reading
     async def chunks():
         for i in range(0, len(big), 4096):
@@ -186,7 +244,9 @@ def test_whole_numbers_written_as_floats_are_integers(client, live):
     assert response.status_code == 200 and response.json()["outputs"] == live.model(ids, mask).tolist()
 
 
-@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e39", b"-1e39", b"1e400"], ids=lambda v: v.decode())
+@pytest.mark.parametrize(
+    "value", [b"NaN", b"Infinity", b"-Infinity", b"1e39", b"-1e39", b"1e400"], ids=lambda v: v.decode()
+)
 def test_float_values_must_be_finite_and_fit_the_dtype(structured_artifact, value):
     raw = b'{"inputs": {"x": [[0.5, 1, 2, 3, 4, 5, 6, ' + value + b"]]}}"
     with AppClient(create_app(ServeConfig(str(structured_artifact)), live=Live(structured_artifact))) as c:
@@ -225,7 +285,9 @@ def test_the_default_body_limit_fits_the_largest_call_in_range(classifier_artifa
     ids = torch.full((64, 4096), -(2**63), dtype=torch.int64)
     largest = json.dumps({"inputs": {"ids": ids.tolist(), "mask": torch.zeros(64, 4096, dtype=torch.bool).tolist()}})
     assert len(largest) <= limit < 2 * len(largest)
-    assert AppClient(create_app(ServeConfig(str(classifier_artifact)))).app.state.service.max_body_bytes == MIN_BODY_BYTES
+    assert (
+        AppClient(create_app(ServeConfig(str(classifier_artifact)))).app.state.service.max_body_bytes == MIN_BODY_BYTES
+    )
 
 
 def test_an_internal_failure_is_500_and_the_server_serves_on(client, live, monkeypatch):
@@ -315,7 +377,18 @@ def test_metrics_count_requests_variants_rejections_and_shapes(live, classifier_
 
 def test_size_buckets_are_powers_of_two():
     assert [size_bucket(s) for s in (0, 1, 2, 3, 4, 5, 8, 9, 64, 65, 128, 129)] == [
-        "0", "1", "2", "3-4", "3-4", "5-8", "5-8", "9-16", "33-64", "65-128", "65-128", "129-256"
+        "0",
+        "1",
+        "2",
+        "3-4",
+        "3-4",
+        "5-8",
+        "5-8",
+        "9-16",
+        "33-64",
+        "65-128",
+        "65-128",
+        "129-256",
     ]
 
 
@@ -451,7 +524,9 @@ def reload_root(classifier_versions, tmp_path):
     ],
     ids=["dot-dot", "absolute", "link-to-a-secret", "link-to-an-artifact", "pointer-out", "text-file", "fake-manifest"],
 )
-def test_reload_is_confined_to_the_root_and_never_echoes_a_file(classifier_versions, reload_root, tmp_path, path, code, detail):
+def test_reload_is_confined_to_the_root_and_never_echoes_a_file(
+    classifier_versions, reload_root, tmp_path, path, code, detail
+):
     path, detail = path.format(tmp=tmp_path), detail.format(tmp=tmp_path)
     config = ServeConfig(str(classifier_versions[0]), allow_reload=True, reload_root=str(reload_root))
     with AppClient(create_app(config, live=Live(classifier_versions[0]))) as c:
@@ -472,13 +547,15 @@ def test_serve_applies_the_trust_policy_to_the_first_load(classifier_artifact, s
 
 
 def test_serve_applies_the_trust_policy_to_reloads(classifier_versions, signing_keys, tmp_path):
-    from precompile.ship import sign
+    from precompile.ship.sign import sign
 
     root = tmp_path / "root"
     for n in (1, 2):
         shutil.copytree(classifier_versions[n - 1], root / f"v{n}")
     sign(root / "v1", signing_keys[0])
-    config = ServeConfig(str(root / "v1"), allow_reload=True, reload_root=str(root), trusted_keys=(str(signing_keys[1]),))
+    config = ServeConfig(
+        str(root / "v1"), allow_reload=True, reload_root=str(root), trusted_keys=(str(signing_keys[1]),)
+    )
     with AppClient(create_app(config)) as c:
         assert readiness(c).status_code == 200
         response = c.post("/v1/reload", json={"path": "v2"})
@@ -506,8 +583,10 @@ def test_serve_without_the_extra_says_how_to_install_it(classifier_artifact, mon
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # what an install without the extra looks like
     result = invoke("serve", str(classifier_artifact))
     assert result.exit_code == 1
-    assert "precompile serve needs uvicorn" in result.output
-    assert "pip install 'precompile[serve]'" in result.output
+    assert (
+        "precompile serve needs the serve extra (uvicorn not installed): pip install 'precompile[serve]'"
+        in result.output
+    )
 
 
 def test_serve_refuses_a_missing_artifact_before_starting(tmp_path):
@@ -529,15 +608,30 @@ def test_serve_takes_a_pack(classifier_pack, served_config):
     assert served_config["config"].artifact == str(classifier_pack)
 
 
-def test_serve_passes_the_trust_policy_and_limits_on(classifier_artifact, signing_keys, tmp_path, served_config, monkeypatch):
-    args = ["--trusted-key", str(signing_keys[1]), "--trusted-key", str(signing_keys[1]), "--min-version", "3",
-            "--refuse-rollback", "--allow-reload", "--reload-root", str(tmp_path)]
+def test_serve_passes_the_trust_policy_and_limits_on(
+    classifier_artifact, signing_keys, tmp_path, served_config, monkeypatch
+):
+    args = [
+        "--trusted-key",
+        str(signing_keys[1]),
+        "--trusted-key",
+        str(signing_keys[1]),
+        "--min-version",
+        "3",
+        "--refuse-rollback",
+        "--allow-reload",
+        "--reload-root",
+        str(tmp_path),
+    ]
     assert invoke("serve", str(classifier_artifact), *args).exit_code == 0
     config = served_config["config"]
     assert config.trusted_keys == (str(signing_keys[1]),) * 2 and config.min_version == 3 and config.refuse_rollback
     assert config.reload_root == str(tmp_path) and config.max_body_bytes == MIN_BODY_BYTES
     assert config.load_options() == {
-        "verify": True, "trusted_keys": [str(signing_keys[1])] * 2, "min_version": 3, "refuse_rollback": True,
+        "verify": True,
+        "trusted_keys": [str(signing_keys[1])] * 2,
+        "min_version": 3,
+        "refuse_rollback": True,
         "precision": "auto",
     }
     monkeypatch.setenv(*config.to_env().popitem())  # how --workers N hands it to each worker
@@ -603,7 +697,13 @@ def imported(code: str) -> list[str]:
 
 def test_precompile_help_imports_no_server_package():
     code = "from click.testing import CliRunner\nfrom precompile.cli import main\nCliRunner().invoke(main, ['--help'])"
-    assert not {m.split(".")[0] for m in imported(code)} & {"fastapi", "uvicorn", "starlette", "prometheus_client", "ruamel"}
+    assert not {m.split(".")[0] for m in imported(code)} & {
+        "fastapi",
+        "uvicorn",
+        "starlette",
+        "prometheus_client",
+        "ruamel",
+    }
 
 
 def test_live_and_recorder_stay_in_the_runtime(classifier_artifact, tmp_path):

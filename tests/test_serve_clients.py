@@ -24,9 +24,7 @@ MODEL = "tiny-structured"
 INFER = f"/v2/models/{MODEL}/infer"
 LIMIT = 65536
 DELAY_MS = 1500  # how long a queued call waits for batch-mates: long enough to hang up meanwhile
-FINITE_RULE = (
-    "input 'x': values must be finite numbers within float32's range (±3.403e+38); NaN, Infinity and larger numbers are refused"
-)
+FINITE_RULE = "input 'x': values must be finite numbers within float32's range (±3.403e+38); NaN, Infinity and larger numbers are refused"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +67,10 @@ def tensor(values: list[float], *, binary: bool = False, **extra) -> dict:
 
 def binary_body(request: dict, raw: bytes) -> tuple[bytes, dict[str, str]]:
     header = json.dumps(request).encode()
-    return header + raw, {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"}
+    return header + raw, {
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream",
+    }
 
 
 def send_raw(base: str, request: bytes) -> socket.socket:
@@ -119,12 +120,29 @@ def test_a_chunked_body_over_the_limit_is_413_on_every_route(client, path, key):
         ({"inputs": [tensor([0.0] * 8)], "parameters": "yes"}, "parameters: expected an object, got a string"),
         ({"inputs": [tensor([0.0] * 8, parameters=[1])]}, "inputs[0].parameters: expected an object, got list"),
         ({"inputs": [tensor([0.0] * 8, parameters=7)]}, "inputs[0].parameters: expected an object, got int"),
-        ({"inputs": [tensor([0.0] * 8)], "outputs": [{"name": "hidden", "parameters": "b"}]}, "outputs[0].parameters: expected an object"),
-        ({"inputs": [tensor([0.0] * 8)], "parameters": {"binary_data_output": "yes"}}, "parameters.binary_data_output: expected true or false"),
-        ({"inputs": [tensor([0.0] * 8)], "outputs": [{"name": "hidden", "parameters": {"binary_data": 1}}]}, "binary_data: expected true or false"),
+        (
+            {"inputs": [tensor([0.0] * 8)], "outputs": [{"name": "hidden", "parameters": "b"}]},
+            "outputs[0].parameters: expected an object",
+        ),
+        (
+            {"inputs": [tensor([0.0] * 8)], "parameters": {"binary_data_output": "yes"}},
+            "parameters.binary_data_output: expected true or false",
+        ),
+        (
+            {"inputs": [tensor([0.0] * 8)], "outputs": [{"name": "hidden", "parameters": {"binary_data": 1}}]},
+            "binary_data: expected true or false",
+        ),
         ({"inputs": [tensor([0.0] * 8)], "id": 7}, "id: expected a string, got int"),
     ],
-    ids=["request-string", "input-list", "input-int", "output-string", "binary-output-string", "binary-data-int", "id-int"],
+    ids=[
+        "request-string",
+        "input-list",
+        "input-int",
+        "output-string",
+        "binary-output-string",
+        "binary-data-int",
+        "id-int",
+    ],
 )
 def test_parameters_of_the_wrong_json_type_are_400(client, request_, where):
     response = client.post(INFER, json=request_)
@@ -149,9 +167,10 @@ def test_non_finite_binary_inputs_are_refused_as_predict_refuses_them(client, va
     after = counts(client)
     ran = [k for k in after if k[0] == "precompile_predict_seconds_count" and after[k] != before.get(k, 0.0)]
     assert not ran, "a refused call ran"
-    assert after[("precompile_rejections_total", (("reason", "invalid_body"),))] == before.get(
-        ("precompile_rejections_total", (("reason", "invalid_body"),)), 0.0
-    ) + 2
+    assert (
+        after[("precompile_rejections_total", (("reason", "invalid_body"),))]
+        == before.get(("precompile_rejections_total", (("reason", "invalid_body"),)), 0.0) + 2
+    )
 
 
 # --- 4. a client that hangs up while its call waits for a batch -----------------------------------
@@ -159,7 +178,9 @@ def test_non_finite_binary_inputs_are_refused_as_predict_refuses_them(client, va
 
 def batches_of_several(c: httpx.Client) -> float:
     m = counts(c)
-    return m.get(("precompile_batch_size_count", ()), 0.0) - m.get(("precompile_batch_size_bucket", (("le", "1.0"),)), 0.0)
+    return m.get(("precompile_batch_size_count", ()), 0.0) - m.get(
+        ("precompile_batch_size_bucket", (("le", "1.0"),)), 0.0
+    )
 
 
 def wake_the_batcher(base: str, c: httpx.Client) -> None:
@@ -197,9 +218,16 @@ def test_a_client_that_hangs_up_while_queued_drops_its_call(served, client):
     wait_for(lambda: gone() == 6)
     time.sleep(DELAY_MS / 1000)  # past the batch's deadline: a call still queued would have run by now
     after = counts(client)
-    assert after.get(("precompile_requests_total", (("code", "200"),)), 0.0) == before.get(("precompile_requests_total", (("code", "200"),)), 0.0)
-    assert after.get(("precompile_batch_size_count", ()), 0.0) == before.get(("precompile_batch_size_count", ()), 0.0), "abandoned calls ran"
-    assert after[("precompile_rejections_total", (("reason", "disconnected"),))] == before.get(("precompile_rejections_total", (("reason", "disconnected"),)), 0.0) + 6
+    assert after.get(("precompile_requests_total", (("code", "200"),)), 0.0) == before.get(
+        ("precompile_requests_total", (("code", "200"),)), 0.0
+    )
+    assert after.get(("precompile_batch_size_count", ()), 0.0) == before.get(
+        ("precompile_batch_size_count", ()), 0.0
+    ), "abandoned calls ran"
+    assert (
+        after[("precompile_rejections_total", (("reason", "disconnected"),))]
+        == before.get(("precompile_rejections_total", (("reason", "disconnected"),)), 0.0) + 6
+    )
 
 
 # --- 5. a client that hangs up halfway through its body -------------------------------------------
@@ -241,21 +269,32 @@ def junk(rng, depth: int = 0):
     if kind == 2:
         return rng.choice([0, 1, -1, 7, 49, 50, 2**31, 2**63 - 1, -(2**63), 2**63, 2**70, rng.randint(-1000, 1000)])
     if kind == 3:
-        return rng.choice([0.0, 0.5, -1.5, 1e-45, 3.4e38, -3.4e38, 1e39, math.nan, math.inf, -math.inf, rng.uniform(-10, 10)])
+        return rng.choice(
+            [0.0, 0.5, -1.5, 1e-45, 3.4e38, -3.4e38, 1e39, math.nan, math.inf, -math.inf, rng.uniform(-10, 10)]
+        )
     if kind == 4:
         return rng.choice(["", "x", "ids", "mask", "FP32", "yes", "true", "1", "output", "hidden", "\u00e9\u0000"])
     if kind == 5:
         return []
     if kind == 6:
         return [junk(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {rng.choice(["name", "shape", "datatype", "data", "parameters", "binary_data_size", "binary_data", "k"]): junk(rng, depth + 1) for _ in range(rng.randrange(4))}
+    return {
+        rng.choice(["name", "shape", "datatype", "data", "parameters", "binary_data_size", "binary_data", "k"]): junk(
+            rng, depth + 1
+        )
+        for _ in range(rng.randrange(4))
+    }
 
 
 def values(rng, spec: dict, count: int) -> list:
     """``count`` values for an input: mostly valid for its datatype (and the classifier's ids range), at times not."""
     datatype, wild = spec["datatype"], rng.random() < 0.1
     if datatype == "BOOL":
-        return [rng.random() < 0.7 for _ in range(count)] if not wild else [rng.choice([0, 1, 2, None, "t"]) for _ in range(count)]
+        return (
+            [rng.random() < 0.7 for _ in range(count)]
+            if not wild
+            else [rng.choice([0, 1, 2, None, "t"]) for _ in range(count)]
+        )
     if datatype == "INT64":
         hi = spec["max"]
         return [rng.randint(0, hi) for _ in range(count)] if not wild else [junk(rng, 3) for _ in range(count)]
@@ -268,7 +307,9 @@ def binary_values(rng, spec: dict, vals: list) -> bytes:
     try:
         return struct.pack(f"<{len(vals)}{code}", *vals)
     except (struct.error, TypeError):
-        return bytes(rng.randrange(256) for _ in range(len(vals) * struct.calcsize(code)))  # raw bytes: NaN, 2 as BOOL...
+        return bytes(
+            rng.randrange(256) for _ in range(len(vals) * struct.calcsize(code))
+        )  # raw bytes: NaN, 2 as BOOL...
 
 
 def maybe(rng, p: float = 0.08) -> bool:
@@ -283,13 +324,19 @@ def v2_request(rng, model: dict) -> tuple[bytes, dict[str, str]]:
     for spec in model["inputs"]:
         shape = [batch if s == -1 and i == 0 else (seq if s == -1 else s) for i, s in enumerate(spec["shape"])]
         if maybe(rng):
-            shape = rng.choice([junk(rng), [], [batch], shape + [1], [-1, 2], [2**40, 0], [0] * len(shape), [1] * 40, [1.0, 8]])
-        count = math.prod(shape) if isinstance(shape, list) and all(type(s) is int and 0 <= s < 64 for s in shape) else 8
+            shape = rng.choice(
+                [junk(rng), [], [batch], shape + [1], [-1, 2], [2**40, 0], [0] * len(shape), [1] * 40, [1.0, 8]]
+            )
+        count = (
+            math.prod(shape) if isinstance(shape, list) and all(type(s) is int and 0 <= s < 64 for s in shape) else 8
+        )
         vals = values(rng, spec, count + (rng.choice([-1, 1]) if maybe(rng) else 0))
         item: dict = {"name": spec["name"], "shape": shape, "datatype": spec["datatype"]}
         if rng.random() < 0.4:
             raw = binary_values(rng, spec, vals)
-            item["parameters"] = {"binary_data_size": len(raw) if not maybe(rng) else rng.choice([junk(rng), len(raw) + 1, -1, 0])}
+            item["parameters"] = {
+                "binary_data_size": len(raw) if not maybe(rng) else rng.choice([junk(rng), len(raw) + 1, -1, 0])
+            }
             chunks.append(raw)
         else:
             item["data"] = vals if not maybe(rng) else rng.choice([junk(rng), [vals], [[v] for v in vals], vals[:1]])
@@ -309,14 +356,18 @@ def v2_request(rng, model: dict) -> tuple[bytes, dict[str, str]]:
     if rng.random() < 0.5:
         request["id"] = rng.choice([f"req-{rng.randrange(10**6)}", junk(rng)])
     if rng.random() < 0.4:
-        request["parameters"] = rng.choice([{"binary_data_output": rng.random() < 0.5}, {"binary_data_output": junk(rng)}, junk(rng), {}])
+        request["parameters"] = rng.choice(
+            [{"binary_data_output": rng.random() < 0.5}, {"binary_data_output": junk(rng)}, junk(rng), {}]
+        )
     if rng.random() < 0.5:
         names = [o["name"] for o in model["outputs"]]
         outputs = []
         for _ in range(rng.randint(0, len(names))):
             output: dict = {"name": rng.choice(names) if not maybe(rng) else junk(rng)}
             if rng.random() < 0.6:
-                output["parameters"] = rng.choice([{"binary_data": rng.random() < 0.5}, {"binary_data": junk(rng)}, junk(rng)])
+                output["parameters"] = rng.choice(
+                    [{"binary_data": rng.random() < 0.5}, {"binary_data": junk(rng)}, junk(rng)]
+                )
             outputs.append(output)
         request["outputs"] = outputs if not maybe(rng, 0.03) else junk(rng)
     if maybe(rng, 0.02):
@@ -327,7 +378,11 @@ def v2_request(rng, model: dict) -> tuple[bytes, dict[str, str]]:
     body = header + b"".join(chunks)
     headers = {"Content-Type": "application/octet-stream" if chunks else "application/json"}
     if chunks or maybe(rng, 0.05):
-        length = len(header) if not maybe(rng) else rng.choice(["x", "-1", str(len(body) + 1), "0", "+3", "1_0", str(len(header) - 1)])
+        length = (
+            len(header)
+            if not maybe(rng)
+            else rng.choice(["x", "-1", str(len(body) + 1), "0", "+3", "1_0", str(len(header) - 1)])
+        )
         headers["Inference-Header-Content-Length"] = str(length)
     if maybe(rng, 0.03):
         body += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
@@ -400,8 +455,12 @@ def test_fuzzed_requests_get_no_server_error(served, client, classifier_artifact
     (integer and bool inputs, a value range): not one answer ≥ 500, both servers serve on, and the
     classifier's memory stays flat over its second half of requests."""
     start = time.monotonic()
-    codes, errors = fuzz(client, MODEL, model_description(client, MODEL, {}), V2_REQUESTS // 2, PREDICT_REQUESTS // 2, seed=1)
-    with serve_command(classifier_artifact, "--max-body-bytes", str(LIMIT), "--log-level", "warning", log=tmp_path / "server.log") as port:
+    codes, errors = fuzz(
+        client, MODEL, model_description(client, MODEL, {}), V2_REQUESTS // 2, PREDICT_REQUESTS // 2, seed=1
+    )
+    with serve_command(
+        classifier_artifact, "--max-body-bytes", str(LIMIT), "--log-level", "warning", log=tmp_path / "server.log"
+    ) as port:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=DEADLINE) as c:
             model = model_description(c, "tiny-classifier", {"ids": 49})
             halves = [fuzz(c, "tiny-classifier", model, V2_REQUESTS // 4, PREDICT_REQUESTS // 4, seed=2)]
@@ -412,7 +471,10 @@ def test_fuzzed_requests_get_no_server_error(served, client, classifier_artifact
     for more, more_errors in halves:
         codes.update(more)
         errors += more_errors
-    print(f"fuzz: {sum(codes.values())} requests in {time.monotonic() - start:.1f} s, by route and status: {dict(sorted(codes.items()))}; memory grew {grown} bytes")
+    print(
+        f"fuzz: {sum(codes.values())} requests in {time.monotonic() - start:.1f} s, "
+        f"by route and status: {dict(sorted(codes.items()))}; memory grew {grown} bytes"
+    )
     assert not errors, "\n".join(errors[:10])
     assert ready == 200 and client.get("/readyz").status_code == 200
     for route, n in (("v2", V2_REQUESTS), ("predict", PREDICT_REQUESTS)):

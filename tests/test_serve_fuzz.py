@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
@@ -43,8 +42,20 @@ def server(classifier_artifact, tmp_path):
     shutil.copytree(classifier_artifact, root / "classifier")
     port = free_port()
     command = [
-        sys.executable, "-m", "precompile", "serve", str(root / "classifier"), "--port", str(port),
-        "--allow-reload", "--reload-root", str(root), "--max-body-bytes", "65536", "--log-level", "error",
+        sys.executable,
+        "-m",
+        "precompile",
+        "serve",
+        str(root / "classifier"),
+        "--port",
+        str(port),
+        "--allow-reload",
+        "--reload-root",
+        str(root),
+        "--max-body-bytes",
+        "65536",
+        "--log-level",
+        "error",
     ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     log = open(tmp_path / "server.log", "w+")
@@ -88,8 +99,12 @@ def test_schemathesis_finds_no_server_error_and_the_server_survives(server):
 
             @given(case=strategy)
             @settings(
-                max_examples=EXAMPLES.get(key, 3), deadline=None, database=None, derandomize=True,
-                phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+                max_examples=EXAMPLES.get(key, 3),
+                deadline=None,
+                database=None,
+                derandomize=True,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
             )
             def send(case) -> None:
                 if time.monotonic() > deadline:
@@ -97,7 +112,9 @@ def test_schemathesis_finds_no_server_error_and_the_server_survives(server):
                 response = case.call(base_url=base, session=session, timeout=30)
                 codes[(case.path, response.status_code)] += 1
                 if response.status_code >= 500:
-                    server_errors.append(f"{case.method} {case.path} {case.body!r:.300} -> {response.status_code} {response.text[:300]}")
+                    server_errors.append(
+                        f"{case.method} {case.path} {case.body!r:.300} -> {response.status_code} {response.text[:300]}"
+                    )
 
             send()
 

@@ -205,15 +205,31 @@ def test_the_command_follows_deploys_under_load_and_records_the_traffic(classifi
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     command = [
-        sys.executable, "-m", "precompile", "serve", str(current), "--port", str(port), "--watch",
-        "--watch-interval", "0.05", "--record", str(traffic), "--record-interval", "0.5", "--log-level", "warning",
+        sys.executable,
+        "-m",
+        "precompile",
+        "serve",
+        str(current),
+        "--port",
+        str(port),
+        "--watch",
+        "--watch-interval",
+        "0.05",
+        "--record",
+        str(traffic),
+        "--record-interval",
+        "0.5",
+        "--log-level",
+        "warning",
     ]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_ready(base)
         # The server re-executed itself with OpenMP settings that only take effect at torch's import.
-        served_env = dict(item.split("=", 1) for item in Path(f"/proc/{process.pid}/environ").read_text().split("\0") if "=" in item)
+        served_env = dict(
+            item.split("=", 1) for item in Path(f"/proc/{process.pid}/environ").read_text().split("\0") if "=" in item
+        )
         assert served_env["OMP_WAIT_POLICY"] == "PASSIVE" and int(served_env["OMP_NUM_THREADS"]) >= 1
         requests = bodies(12, seed=3)
         with httpx.Client(base_url=base, timeout=10) as c:
@@ -290,4 +306,6 @@ def test_workers_answer_without_the_delayed_ack_wait(classifier_artifact):
             times.append(time.perf_counter() - start)
         connection.close()
     times.sort()
-    assert times[len(times) // 2] < 0.025, f"median {times[len(times) // 2] * 1000:.1f} ms: the responses waited for delayed ACKs"
+    assert times[len(times) // 2] < 0.025, (
+        f"median {times[len(times) // 2] * 1000:.1f} ms: the responses waited for delayed ACKs"
+    )

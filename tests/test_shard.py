@@ -18,11 +18,10 @@ import yaml
 from click.testing import CliRunner
 
 import loader
-from precompile.build import CompileTask
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.plan import VariantPlan
 from precompile.shard import PartError, assemble, parse_shard, share
+from precompile.units import CompileTask, VariantPlan
 from tests.conftest import write_profile
 from tests.test_remote import BUCKET, s3, store_env  # noqa: F401  (fixtures: the S3 server)
 
@@ -77,7 +76,11 @@ def run_job(name: str, cwd: Path, context: dict[str, str], extra_env: dict[str, 
         step_env = {k: expand(str(v), context) for k, v in step.get("env", {}).items()}
         result = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", expand(step["run"], context)],
-            cwd=cwd, env={**env, **step_env}, capture_output=True, text=True, timeout=600,
+            cwd=cwd,
+            env={**env, **step_env},
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert result.returncode == 0, f"step {step.get('name')!r} failed:\n{result.stdout}\n{result.stderr}"
 
@@ -88,7 +91,11 @@ def parts(tmp_path_factory) -> Path:
     checkout = tmp_path_factory.mktemp("checkout")
     write_profile(checkout / "profiles", PROFILE)
     for shard in workflow()["jobs"]["compile"]["strategy"]["matrix"]["shard"]:
-        run_job("compile", checkout, {"inputs.profile": "profiles/profile.yaml", "inputs.version": "3", "matrix.shard": str(shard)})
+        run_job(
+            "compile",
+            checkout,
+            {"inputs.profile": "profiles/profile.yaml", "inputs.version": "3", "matrix.shard": str(shard)},
+        )
     return checkout
 
 
@@ -126,7 +133,11 @@ def test_parts_share_the_units_and_assemble_into_the_full_artifact(parts, tmp_pa
     built = [sorted(b["file"] for b in r["built"]) for r in records]
     assert records[1]["units"] == units and len(units) == 3  # one static and two dynamic variants
     assert sorted(built[0] + built[1]) == units and not set(built[0]) & set(built[1])
-    result = assemble([parts / "parts" / "part-2", parts / "parts" / "part-1"], tmp_path / "artifact", profile=parts / "profiles" / "profile.yaml")
+    result = assemble(
+        [parts / "parts" / "part-2", parts / "parts" / "part-1"],
+        tmp_path / "artifact",
+        profile=parts / "profiles" / "profile.yaml",
+    )
     assert sorted(v.file.split("/")[-1] for v in result.manifest.variants) == units
     check = CliRunner().invoke(main, ["verify", str(result.path), "--run"])
     assert check.exit_code == 0, check.output
@@ -189,7 +200,17 @@ def test_a_missing_package_is_named(parts, tmp_path):
 def test_cli_errors(parts, tmp_path):
     result = CliRunner().invoke(main, ["build", str(parts / "profiles" / "profile.yaml"), "--shard", "3/2"])
     assert result.exit_code != 0 and "expected K/N with 1 ≤ K ≤ N" in result.output
-    result = CliRunner().invoke(main, ["assemble", str(parts / "parts" / "part-1"), "-o", str(tmp_path / "a"), "--profile", str(parts / "profiles" / "profile.yaml")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "assemble",
+            str(parts / "parts" / "part-1"),
+            "-o",
+            str(tmp_path / "a"),
+            "--profile",
+            str(parts / "profiles" / "profile.yaml"),
+        ],
+    )
     assert result.exit_code == 1 and "shard(s) 2/2 missing" in result.output and "Traceback" not in result.output
 
 

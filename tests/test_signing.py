@@ -18,7 +18,8 @@ from loader.pack import read_head
 from loader.source import open_artifact
 from precompile.cli import main
 from precompile.errors import PrecompileError
-from precompile.ship import keygen, pack, sign
+from precompile.ship.pack import pack
+from precompile.ship.sign import keygen, sign
 
 
 def invoke(*args: str):
@@ -74,7 +75,10 @@ def test_trusted_keys_may_be_paths_text_or_key_objects(signed, signing_keys):
 
 
 def test_an_unsigned_artifact_is_refused(classifier_artifact, signing_keys):
-    with pytest.raises(UntrustedArtifactError, match=r"not signed, and this loader only accepts artifacts signed by key\(s\) [0-9a-f]{16}"):
+    with pytest.raises(
+        UntrustedArtifactError,
+        match=r"not signed, and this loader only accepts artifacts signed by key\(s\) [0-9a-f]{16}",
+    ):
         loader.load(classifier_artifact, trusted_keys=[signing_keys[1]])
 
 
@@ -179,7 +183,9 @@ def test_a_signature_does_not_depend_on_fields_the_file_leaves_out(classifier_ar
     """An artifact written before a manifest field existed keeps a valid signature under a loader that
     knows the field: the signature covers the file's JSON, not this loader's idea of a manifest."""
     manifest = json.loads((classifier_artifact / "manifest.json").read_text())
-    optional = [k for k in ("check", "version", "expires", "policy", "pad_value", "output_dims", "cuda") if k in manifest]
+    optional = [
+        k for k in ("check", "version", "expires", "policy", "pad_value", "output_dims", "cuda") if k in manifest
+    ]
     folder = copy(classifier_artifact, tmp_path / "a")
     (folder / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k not in optional}))
     sign(folder, signing_keys[0])
@@ -191,7 +197,11 @@ def test_signing_a_pack_another_tool_recompressed(classifier_pack, signing_keys,
 
     import zstandard
 
-    tar = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(classifier_pack.read_bytes()), read_across_frames=True).read()
+    tar = (
+        zstandard.ZstdDecompressor()
+        .stream_reader(io.BytesIO(classifier_pack.read_bytes()), read_across_frames=True)
+        .read()
+    )
     packed = tmp_path / "one-frame.tar.zst"
     packed.write_bytes(zstandard.ZstdCompressor(level=9, write_checksum=True).compress(tar))
     sign(packed, signing_keys[0])
@@ -254,7 +264,9 @@ def test_a_rollback_is_refused_once_a_newer_version_was_loaded(classifier_artifa
     state = tmp_path / "state"
     loader.load(v1, refuse_rollback=True, state_dir=state)
     loader.load(v2, refuse_rollback=True, state_dir=state)
-    with pytest.raises(UntrustedArtifactError, match=r"version 1 is older than version 2, already loaded on this host \(a rollback\)"):
+    with pytest.raises(
+        UntrustedArtifactError, match=r"version 1 is older than version 2, already loaded on this host \(a rollback\)"
+    ):
         loader.load(v1, refuse_rollback=True, state_dir=state)
     assert loader.load(v1, state_dir=state).manifest.version == 1  # only when asked
     loader.load(v2, refuse_rollback=True, state_dir=state)  # the same release again is fine

@@ -6,13 +6,17 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from loader import threads as T
 from loader.threads import CpuAllowance, cpu_allowance, threading_problems
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def cgroup_v2(tmp_path, quota: str, path: str = "/kubepods/pod1/ctr") -> tuple:
@@ -69,10 +73,19 @@ def test_more_threads_than_cpus_is_a_problem_with_the_fix():
 
 def test_spin_waiting_on_a_share_of_the_host_is_a_problem():
     share = CpuAllowance(host=64, affinity=64, quota=2.0)
-    (problem,) = threading_problems(share, threads=2, wait_policy="")
+    (problem,) = threading_problems(share, threads=2, wait_policy="", load=0.0)
     assert "OMP_WAIT_POLICY=PASSIVE" in problem and "a cgroup quota of 2 CPUs" in problem
-    assert threading_problems(share, threads=2, wait_policy="passive") == []
-    assert threading_problems(CpuAllowance(host=4, affinity=4, quota=None), threads=4, wait_policy="") == []
+    assert threading_problems(share, threads=2, wait_policy="passive", load=0.0) == []
+    assert threading_problems(CpuAllowance(host=4, affinity=4, quota=None), threads=4, wait_policy="", load=0.0) == []
+
+
+def test_spin_waiting_beside_other_work_on_the_whole_host_is_a_problem():
+    """No quota, no affinity mask, but the host's load and these threads do not fit its CPUs."""
+    host = CpuAllowance(host=8, affinity=8, quota=None)
+    (problem,) = threading_problems(host, threads=8, wait_policy="", load=0.5)
+    assert "a load of 0.5 on 8 CPUs" in problem and "import loader before torch" in problem
+    assert threading_problems(host, threads=4, wait_policy="", load=3.5) == []  # room for both
+    assert threading_problems(host, threads=8, wait_policy="PASSIVE", load=6.0) == []
 
 
 def test_fit_threads_cuts_torch_to_the_allowance(monkeypatch):
@@ -125,8 +138,13 @@ print(compile_threads(int(sys.argv[2])))
 
 def sized(cpus, jobs: int) -> int:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    out = subprocess.run([sys.executable, "-c", SIZE_IN_SUBPROCESS, ",".join(map(str, cpus)), str(jobs)],
-                         capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", SIZE_IN_SUBPROCESS, ",".join(map(str, cpus)), str(jobs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return int(out.stdout)
 
 
@@ -145,7 +163,10 @@ def test_compile_threads_env_override_and_its_errors():
     assert compile_threads(4, {"PRECOMPILE_COMPILE_THREADS": "3"}) == 3
     assert compile_threads(1, {"PRECOMPILE_COMPILE_THREADS": " "}) == compile_threads(1, {})
     for bad in ("abc", "0", "-2", "1.5"):
-        with pytest.raises(PrecompileError, match=rf"PRECOMPILE_COMPILE_THREADS='{re.escape(bad)}': expected a whole number of threads, 1 or more"):
+        with pytest.raises(
+            PrecompileError,
+            match=rf"PRECOMPILE_COMPILE_THREADS='{re.escape(bad)}': expected a whole number of threads, 1 or more",
+        ):
             compile_threads(2, {"PRECOMPILE_COMPILE_THREADS": bad})
 
 
@@ -158,7 +179,67 @@ def test_a_bad_compile_threads_value_stops_the_build_with_one_line(tmp_path, mon
 
     monkeypatch.setenv("PRECOMPILE_COMPILE_THREADS", "many")
     path = write_profile(tmp_path, STRUCTURED_PROFILE)
-    result = CliRunner().invoke(main, ["build", str(path), "-o", str(tmp_path / "out"), "--jobs", "2"], catch_exceptions=False)
+    result = CliRunner().invoke(
+        main, ["build", str(path), "-o", str(tmp_path / "out"), "--jobs", "2"], catch_exceptions=False
+    )
     assert result.exit_code == 1
     assert "PRECOMPILE_COMPILE_THREADS='many': expected a whole number of threads, 1 or more" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, with OMP_WAIT_POLICY unset unless given."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "PYTHONPATH")}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+def test_importing_loader_before_torch_makes_openmp_sleep_when_idle():
+    # libgomp prints the settings it started with: GOMP_SPINCOUNT 0 is the passive policy in effect.
+    result = python("import os, loader, torch; print(os.environ['OMP_WAIT_POLICY'])", OMP_DISPLAY_ENV="VERBOSE")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "PASSIVE"
+    assert "GOMP_SPINCOUNT = '0'" in result.stderr
+
+
+def test_the_users_wait_policy_is_kept():
+    result = python("import os, loader; print(os.environ['OMP_WAIT_POLICY'])", OMP_WAIT_POLICY="ACTIVE")
+    assert result.stdout.strip() == "ACTIVE"
+
+
+LOAD_TWICE = """
+    import os, warnings, torch, loader
+    from loader.threads import ThreadingWarning
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        for _ in range(2):
+            loader.load({path!r}, threads=os.cpu_count(), warmup=False)
+    print(os.environ.get("OMP_WAIT_POLICY"))
+    for w in caught:
+        if issubclass(w.category, ThreadingWarning):
+            print(w.message)
+"""
+
+
+def test_torch_imported_first_without_passive_warns_once(classifier_artifact):
+    """Too late to set the policy: every thread of the host in use, beside the load the host already
+    has (this test's own), is where spinning threads slow every call."""
+    result = python(LOAD_TWICE.format(path=str(classifier_artifact)))
+    assert result.returncode == 0, result.stderr
+    policy, *warned = result.stdout.strip().splitlines()
+    assert policy == "None"  # not set behind the running OpenMP's back
+    (warning,) = warned
+    assert "OpenMP threads spin-wait between calls (OMP_WAIT_POLICY is unset)" in warning
+    assert "start the process with OMP_WAIT_POLICY=PASSIVE, or import loader before torch" in warning
+
+
+def test_torch_imported_first_with_passive_does_not_warn(classifier_artifact):
+    result = python(LOAD_TWICE.format(path=str(classifier_artifact)), OMP_WAIT_POLICY="PASSIVE")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "PASSIVE"

@@ -34,7 +34,6 @@ NAME = "tiny-tagger"
 OUTPUTS = ("output.0", "output.1")
 
 
-
 def export(*args: str):
     return CliRunner().invoke(main, ["export", "triton", *args], catch_exceptions=False)
 
@@ -50,7 +49,16 @@ def repo(tagger_build, structured_artifact, tmp_path_factory) -> Path:
     tagger_v3 = pack(artifact_version(tagger_build.path, folder / "tagger-v3", 3), folder / "tagger-v3.tar.zst")
     out = folder / "repo"
     # A longer queue delay than the default, so that concurrent requests meet on this busy machine.
-    args = [str(tagger_build.path), str(tagger_v2), str(tagger_v3), str(structured_artifact), "-o", str(out), "--max-queue-delay-us", "50000"]
+    args = [
+        str(tagger_build.path),
+        str(tagger_v2),
+        str(tagger_v3),
+        str(structured_artifact),
+        "-o",
+        str(out),
+        "--max-queue-delay-us",
+        "50000",
+    ]
     result = export(*args)
     assert result.exit_code == 0, result.output
     return out
@@ -66,7 +74,9 @@ class Server:
             os.environ,
             OMP_WAIT_POLICY="PASSIVE",
             PRECOMPILE_CACHE=str(cache),  # where the stub unpacks the pack
-            LD_LIBRARY_PATH=os.pathsep.join(filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")])),
+            LD_LIBRARY_PATH=os.pathsep.join(
+                filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")])
+            ),
             PYTHONPATH=os.pathsep.join([str(TRITON / "stub-site"), str(ROOT), site_packages]),
         )
         self.log = log
@@ -135,7 +145,10 @@ def clients(server):
 
 
 def call(client_module, client, ids: np.ndarray, mask: np.ndarray, *, ids_type: str = "INT64", version: str = ""):
-    inputs = [client_module.InferInput("ids", list(ids.shape), ids_type), client_module.InferInput("mask", list(mask.shape), "BOOL")]
+    inputs = [
+        client_module.InferInput("ids", list(ids.shape), ids_type),
+        client_module.InferInput("mask", list(mask.shape), "BOOL"),
+    ]
     inputs[0].set_data_from_numpy(ids)
     inputs[1].set_data_from_numpy(mask)
     result = client.infer(NAME, inputs, model_version=version)
@@ -226,7 +239,9 @@ def test_bad_calls_are_refused_and_the_server_keeps_serving(clients, references,
         call(module, client, ids, mask)
     assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
     # A wrong dtype never reaches the model: Triton checks it against config.pbtxt.
-    with pytest.raises(InferenceServerException, match=r"'ids' data-type is 'INT32', but model 'tiny-tagger' expects 'INT64'"):
+    with pytest.raises(
+        InferenceServerException, match=r"'ids' data-type is 'INT32', but model 'tiny-tagger' expects 'INT64'"
+    ):
         call(module, client, ids.astype(np.int32), np.ones_like(mask), ids_type="INT32")
     ids, mask = sample(3, 12, seed=3)
     got = call(module, client, ids, mask)
@@ -284,7 +299,10 @@ def test_a_dtype_triton_cannot_hand_over_is_refused(tagger_build, tmp_path):
     (artifact / "manifest.json").write_text(json.dumps(manifest))
     result = export(str(artifact), "-o", str(tmp_path / "repo"))
     assert result.exit_code == 1
-    assert result.output.strip() == f"Error: {artifact}: input 'mask': dtype bfloat16 has no Triton Python-backend type (supported: bool, uint8, int8, int16, int32, int64, float16, float32, float64)"
+    assert (
+        result.output.strip() == f"Error: {artifact}: input 'mask': dtype bfloat16 has no Triton Python-backend type "
+        "(supported: bool, uint8, int8, int16, int32, int64, float16, float32, float64)"
+    )
     assert not (tmp_path / "repo").exists()
 
 

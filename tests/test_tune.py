@@ -10,13 +10,14 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from precompile.build import build
 from precompile.cli import main
 from precompile.errors import CheckError, ProfileError
+from precompile.pipeline import build
 from precompile.profile import load_profile
-from precompile.resolve import resolve_model
-from precompile.tune import Trial, choose, serving_shapes
-from precompile.plan import VariantPlan
+from precompile.stages.resolve import resolve_model
+from precompile.stages.tune import Trial, choose
+from precompile.traffic import serving_shapes
+from precompile.units import VariantPlan
 
 from .conftest import CLASSIFIER_PROFILE, write_profile
 
@@ -85,7 +86,11 @@ def test_serving_shapes_are_the_hottest_inside_the_variant_weighted_by_traffic()
 
 
 def test_choose_skips_failed_candidates_and_says_why_when_none_is_left():
-    trials = [Trial("v", 0, {}, ms=2.0), Trial("v", 1, {"freezing": True}, ms=1.0), Trial("v", 2, {"x": 1}, error="boom")]
+    trials = [
+        Trial("v", 0, {}, ms=2.0),
+        Trial("v", 1, {"freezing": True}, ms=1.0),
+        Trial("v", 2, {"x": 1}, error="boom"),
+    ]
     assert choose(trials).candidate == 1 and trials[1].kept and not trials[0].kept
     with pytest.raises(CheckError, match="no tuning candidate compiled and matched eager.*boom"):
         choose([Trial("v", 0, {}, error="boom")])
@@ -101,12 +106,16 @@ def test_choose_skips_failed_candidates_and_says_why_when_none_is_left():
 )
 def test_bad_tune_sections_are_profile_errors(tmp_path, tune, message):
     text = TUNED.replace("{candidates: [{}, {freezing: true}]}", tune)
-    with pytest.raises(ProfileError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ProfileError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         load_profile(write_profile(tmp_path, text))
 
 
 def test_a_preset_expands_over_compile_inductor(tmp_path):
-    text = TUNED.replace("  tune: {candidates: [{}, {freezing: true}]}", "  inductor: {freezing: true}\n  tune: {preset: cpu}")
+    text = TUNED.replace(
+        "  tune: {candidates: [{}, {freezing: true}]}", "  inductor: {freezing: true}\n  tune: {preset: cpu}"
+    )
     spec = load_profile(write_profile(tmp_path, text)).profile.compile
     assert spec.candidates() == [{"freezing": True}]  # {} and {freezing: true} merge to the same set
 

@@ -20,20 +20,28 @@ from loader import IncompatibleArtifactError
 from loader.artifact import read_manifest
 from loader.host import HostFacts, compatibility_problems, host_facts
 from precompile.cli import main
-from precompile.ship import sign
+from precompile.ship.sign import sign
 
 X86_BASE = {"sse", "sse2", "sse3", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "bmi", "bmi2", "lzcnt"}
 # Recorded from real machines (torch.cpu.get_capabilities() names; only the features that matter here).
 HASWELL = HostFacts("2.13.0+cpu", "linux", "x86_64", "AVX2", frozenset(X86_BASE | {"avx2", "fma3", "f16c"}))
 SKYLAKE_SP = HostFacts(
-    "2.13.0+cpu", "linux", "x86_64", "AVX512",
+    "2.13.0+cpu",
+    "linux",
+    "x86_64",
+    "AVX512",
     frozenset(X86_BASE | {"avx2", "fma3", "f16c", "avx512_f", "avx512_cd", "avx512_dq", "avx512_bw", "avx512_vl"}),
 )
 SAPPHIRE_RAPIDS = HostFacts(
-    "2.13.0+cpu", "linux", "x86_64", "AVX512",
+    "2.13.0+cpu",
+    "linux",
+    "x86_64",
+    "AVX512",
     SKYLAKE_SP.cpu_features | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"},
 )
-GRAVITON3 = HostFacts("2.13.0", "linux", "aarch64", "SVE256", frozenset({"neon", "fp16_arith", "bf16", "sve", "i8mm", "dot"}))
+GRAVITON3 = HostFacts(
+    "2.13.0", "linux", "aarch64", "SVE256", frozenset({"neon", "fp16_arith", "bf16", "sve", "i8mm", "dot"})
+)
 
 
 def built_for(manifest, isa: str, capability: str = "AVX512", **target):
@@ -45,7 +53,9 @@ def built_for(manifest, isa: str, capability: str = "AVX512", **target):
 @pytest.fixture(scope="module")
 def manifest(classifier_artifact):
     m = read_manifest(classifier_artifact)
-    return dataclasses.replace(m, torch_version="2.13.0+cpu", target=dataclasses.replace(m.target, platform="linux", machine="x86_64"))
+    return dataclasses.replace(
+        m, torch_version="2.13.0+cpu", target=dataclasses.replace(m.target, platform="linux", machine="x86_64")
+    )
 
 
 def test_an_avx512_build_is_refused_on_an_avx2_host_with_what_it_needs(manifest):
@@ -107,20 +117,28 @@ def test_a_cuda_load_is_checked_against_the_gpus(manifest):
     assert "CPU-only build" in compatibility_problems(cuda, "cuda:0", on(CudaFacts(None)))[0]
     (older,) = compatibility_problems(cuda, "cuda", on(CudaFacts("12.8", ((8, 0),), ("A100",))))
     assert older.startswith("cuda: the kernels were built on compute capability 9.0 and hold sm_90a")
-    assert compatibility_problems(cuda, "cpu", on(CudaFacts(None))) == ["device: the artifact has cuda variants only, asked to load on cpu"]
+    assert compatibility_problems(cuda, "cpu", on(CudaFacts(None))) == [
+        "device: the artifact has cuda variants only, asked to load on cpu"
+    ]
 
 
 def test_this_host_runs_what_it_builds(classifier_artifact):
     assert compatibility_problems(read_manifest(classifier_artifact), "cpu", host_facts()) == []
 
 
-def test_load_refuses_before_any_compiled_code_or_unpacking(classifier_artifact, classifier_pack, tmp_path, monkeypatch):
+def test_load_refuses_before_any_compiled_code_or_unpacking(
+    classifier_artifact, classifier_pack, tmp_path, monkeypatch
+):
     if read_manifest(classifier_artifact).target.aoti_cpu_isa in ("AVX2", "INVALID_VEC_ISA"):
         pytest.skip("built on an AVX2 host: an AVX2 host runs it")
-    monkeypatch.setattr(loader.host, "host_facts", lambda: dataclasses.replace(HASWELL, torch_version=torch.__version__))
+    monkeypatch.setattr(
+        loader.host, "host_facts", lambda: dataclasses.replace(HASWELL, torch_version=torch.__version__)
+    )
     monkeypatch.setattr(loader.model, "open_package", lambda *a, **k: pytest.fail("compiled code opened"))
     for path in (classifier_artifact, classifier_pack):
-        with pytest.raises(IncompatibleArtifactError, match=r"cannot run on this host:\n  - cpu: the code was compiled for AVX512"):
+        with pytest.raises(
+            IncompatibleArtifactError, match=r"cannot run on this host:\n  - cpu: the code was compiled for AVX512"
+        ):
             loader.load(path, cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
 
@@ -154,7 +172,12 @@ def test_verify_passes_a_sound_artifact_and_recomputes_its_references(classifier
     result = invoke("verify", str(classifier_artifact), "--run", env={"PRECOMPILE_CACHE": str(tmp_path)})
     assert result.exit_code == 0, result.output
     assert rows(result.output) == {
-        "manifest": "ok", "integrity": "ok", "signature": "skip", "expiry": "ok", "host": "ok", "run": "ok",
+        "manifest": "ok",
+        "integrity": "ok",
+        "signature": "skip",
+        "expiry": "ok",
+        "host": "ok",
+        "run": "ok",
     }
     assert "reference output(s) recomputed" in result.output
 
@@ -163,7 +186,9 @@ def test_verify_a_signed_pack_with_its_key(classifier_pack, signing_keys, tmp_pa
     packed = tmp_path / "a.tar.zst"
     shutil.copy(classifier_pack, packed)
     sign(packed, signing_keys[0])
-    result = invoke("verify", str(packed), "--key", str(signing_keys[1]), "--run", env={"PRECOMPILE_CACHE": str(tmp_path / "c")})
+    result = invoke(
+        "verify", str(packed), "--key", str(signing_keys[1]), "--run", env={"PRECOMPILE_CACHE": str(tmp_path / "c")}
+    )
     assert result.exit_code == 0, result.output
     assert rows(result.output)["signature"] == "ok" and "signed by trusted key" in result.output
 
@@ -184,13 +209,22 @@ def test_verify_reports_a_corrupt_file_and_does_not_run_it(classifier_artifact, 
     result = invoke("verify", str(folder), "--run")
     assert result.exit_code == 1
     assert rows(result.output) == {
-        "manifest": "ok", "integrity": "FAIL", "signature": "skip", "expiry": "ok", "host": "ok", "run": "skip",
+        "manifest": "ok",
+        "integrity": "FAIL",
+        "signature": "skip",
+        "expiry": "ok",
+        "host": "ok",
+        "run": "skip",
     }
     assert "variants/dynamic.pt2 does not match its sha256" in result.output
 
 
 def test_verify_reports_every_failing_check(classifier_artifact, tmp_path):
-    folder = copy(classifier_artifact, tmp_path / "a", lambda m: m.update(torch_version="2.1.0", expires="2021-01-01T00:00:00+00:00"))
+    folder = copy(
+        classifier_artifact,
+        tmp_path / "a",
+        lambda m: m.update(torch_version="2.1.0", expires="2021-01-01T00:00:00+00:00"),
+    )
     result = invoke("verify", str(folder))
     assert rows(result.output)["host"] == "FAIL" and rows(result.output)["expiry"] == "FAIL"
     assert "2 check(s) failed: expiry, host" in result.output
@@ -201,7 +235,12 @@ def test_verify_an_unreadable_manifest(tmp_path):
     result = invoke("verify", str(tmp_path))
     assert result.exit_code == 1
     assert rows(result.output) == {
-        "manifest": "FAIL", "integrity": "skip", "signature": "skip", "expiry": "skip", "host": "skip", "run": "skip",
+        "manifest": "FAIL",
+        "integrity": "skip",
+        "signature": "skip",
+        "expiry": "skip",
+        "host": "skip",
+        "run": "skip",
     }
 
 

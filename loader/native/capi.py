@@ -18,9 +18,9 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from collections.abc import Sequence
 from ctypes import POINTER, byref, c_bool, c_char_p, c_int32, c_int64, c_size_t, c_void_p
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -41,7 +41,20 @@ class ConstantMapEntry(ctypes.Structure):
 _SHIM = {
     # name: (argument types, result type); AOTITorchError is int32, 0 is success
     "aoti_torch_create_tensor_from_blob_v2": (
-        [c_void_p, c_int64, POINTER(c_int64), POINTER(c_int64), c_int64, c_int32, c_int32, c_int32, POINTER(c_void_p), c_int32, c_void_p, c_int64],
+        [
+            c_void_p,
+            c_int64,
+            POINTER(c_int64),
+            POINTER(c_int64),
+            c_int64,
+            c_int32,
+            c_int32,
+            c_int32,
+            POINTER(c_void_p),
+            c_int32,
+            c_void_p,
+            c_int64,
+        ],
         c_int32,
     ),
     "aoti_torch_delete_tensor_object": ([c_void_p], c_int32),
@@ -84,7 +97,9 @@ def _bind(lib: ctypes.CDLL, table: dict, where: str, optional: bool = False) -> 
         except AttributeError:
             if optional:
                 continue
-            raise CallFailed(f"{where} has no {name}: built by a torch whose C interface this loader does not know") from None
+            raise CallFailed(
+                f"{where} has no {name}: built by a torch whose C interface this loader does not know"
+            ) from None
         fn.argtypes, fn.restype = args, result
         out[name] = fn
     return out
@@ -116,7 +131,9 @@ class Shim:
         strides = (c_int64 * ndim)(*_contiguous_strides(shape))
         handle = c_void_p()
         _check(
-            self._from_blob(address, ndim, sizes, strides, 0, self.codes[dtype], self.cpu, 0, byref(handle), self.strided, None, 0),
+            self._from_blob(
+                address, ndim, sizes, strides, 0, self.codes[dtype], self.cpu, 0, byref(handle), self.strided, None, 0
+            ),
             "aoti_torch_create_tensor_from_blob_v2",
         )
         return handle.value
@@ -202,7 +219,14 @@ class Container:
         handles stay ours (the container keeps its own references to the same memory)."""
         entries = (ConstantMapEntry * len(tensors))(*[ConstantMapEntry(n.encode(), h) for n, h in tensors.items()])
         # use_inactive=False; validate_full_update=True: a constant left out would be read as null.
-        self._call("AOTInductorModelContainerUpdateUserManagedConstantBufferPairs", self.handle, entries, len(tensors), False, True)
+        self._call(
+            "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs",
+            self.handle,
+            entries,
+            len(tensors),
+            False,
+            True,
+        )
 
     def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         shim = self.shim

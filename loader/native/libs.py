@@ -70,7 +70,7 @@ def find_torch(paths: list[str] | None = None) -> TorchLibraries:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_facts(torch: TorchLibraries) -> HostFacts:
     """What ``loader.host.compatibility_problems`` compares, for this host and that torch."""
     features = cpu_features()

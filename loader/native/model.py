@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,9 @@ class NativeModel(ServedModel):
         digest: str | None = None,
         precision: Choice = Choice(("fp32",)),
     ):
-        guard = ArrayGuard(manifest.inputs, manifest.dims, unchecked={d for d, p in manifest.policy.items() if p != "error"})
+        guard = ArrayGuard(
+            manifest.inputs, manifest.dims, unchecked={d for d, p in manifest.policy.items() if p != "error"}
+        )
         super().__init__(root, manifest, weights, runners, guard, NUMPY_OPS, digest=digest, precision=precision)
 
     def _full(self, shape: list[int], value: float, dtype: str) -> np.ndarray:
@@ -91,6 +94,8 @@ def load_native(
     state_dir: str | os.PathLike | None = None,
     threads: int | None = None,
     precision: str = "auto",
+    max_bytes: int | None = None,
+    warmup: bool = True,
 ) -> NativeModel:
     """Load an artifact's CPU variants without importing torch; call the result with numpy arrays.
 
@@ -120,10 +125,13 @@ def load_native(
             refuse_rollback=refuse_rollback,
             cache_dir=cache_dir,
             state_dir=state_dir,
+            max_bytes=max_bytes,
             host=host_facts(torch),
         )
     except IncompatibleArtifactError as e:
-        raise IncompatibleArtifactError(f"{e}\n  (the torch-free loader runs CPU variants only; for others {USE_TORCH})") from None
+        raise IncompatibleArtifactError(
+            f"{e}\n  (the torch-free loader runs CPU variants only; for others {USE_TORCH})"
+        ) from None
     with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
         root, manifest = opened.root, opened.manifest
         _refuse_inputs(manifest, str(root))
@@ -133,6 +141,8 @@ def load_native(
         shim = start_runtime(torch, threads)
         runners = _open_runners(shim, root, manifest, served, weights)
         model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice)
+        if warmup:
+            model.warmup()
         opened.loaded()
     return model
 
@@ -143,7 +153,9 @@ def _choose(root: Path, manifest: Manifest, precision: str, features: frozenset[
     cpu = [v for v in manifest.variants if v.device == "cpu"]
     # What the build recorded or, for an artifact built before it did, what the package shows.
     why = {v.id: v.needs_torch or read_package(root / v.file).problem() for v in cpu}
-    blocked = {v.precision: why[v.id] for v in cpu if why[v.id] and v.precision != "fp32"} if precision == "auto" else {}
+    blocked = (
+        {v.precision: why[v.id] for v in cpu if why[v.id] and v.precision != "fp32"} if precision == "auto" else {}
+    )
     choice = choose([v for v in cpu if v.precision not in blocked], precision, features, str(root))
     if blocked:
         choice = replace(choice, skipped={**choice.skipped, **{p: f"needs torch: {w}" for p, w in blocked.items()}})
@@ -157,7 +169,9 @@ def _choose(root: Path, manifest: Manifest, precision: str, features: frozenset[
 def _refuse_inputs(manifest: Manifest, source: str) -> None:
     for spec in manifest.inputs:
         if spec.dtype not in NUMPY_DTYPES:
-            raise IncompatibleArtifactError(f"{source}: input {spec.name!r} is {spec.dtype}, which numpy has no dtype for; {USE_TORCH}")
+            raise IncompatibleArtifactError(
+                f"{source}: input {spec.name!r} is {spec.dtype}, which numpy has no dtype for; {USE_TORCH}"
+            )
 
 
 def _needs_torch(root: Path, v: Variant, why: str) -> IncompatibleArtifactError:
@@ -165,7 +179,9 @@ def _needs_torch(root: Path, v: Variant, why: str) -> IncompatibleArtifactError:
     return IncompatibleArtifactError(f"{root}: variant {v.id!r} cannot run without torch: {why}; {USE_TORCH}{other}")
 
 
-def _open_runners(shim: Shim, root: Path, manifest: Manifest, variants: list[Variant], weights: MappedWeights) -> dict[str, _Runner]:
+def _open_runners(
+    shim: Shim, root: Path, manifest: Manifest, variants: list[Variant], weights: MappedWeights
+) -> dict[str, _Runner]:
     """Open each variant's library and hand it its constants as views of ``weights``' buffer."""
     runners: dict[str, _Runner] = {}
     folder = Path(tempfile.mkdtemp(prefix="precompile-native-"))  # mode 0700: private to this user

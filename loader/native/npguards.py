@@ -8,7 +8,8 @@ byte order, C-contiguous, aligned, and, for an integer input with a value range,
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,9 @@ class ArrayGuard(ShapeGuard):
 
     def __init__(self, inputs: Sequence[InputSpec], dims: dict[str, DimRange], unchecked: set[str] = frozenset()):
         super().__init__(inputs, dims, unchecked)
-        self._plan = [(name, NUMPY_DTYPES[dtype], ndim, axes, values) for name, dtype, ndim, axes, values in self.input_plan()]
+        self._plan = [
+            (name, NUMPY_DTYPES[dtype], ndim, axes, values) for name, dtype, ndim, axes, values in self.input_plan()
+        ]
 
     def check(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list, dict[str, int]]:
         arrays = self.bind(args, kwargs)
@@ -38,7 +41,9 @@ class ArrayGuard(ShapeGuard):
             if type(a) not in PLAIN_ARRAY_TYPES:
                 raise _not_plain(name, a)
             if a.dtype != dtype:
-                raise GuardError(f"input {name!r}: dtype is {_dt(a.dtype)}, the artifact needs {dtype.name}", reason="dtype")
+                raise GuardError(
+                    f"input {name!r}: dtype is {_dt(a.dtype)}, the artifact needs {dtype.name}", reason="dtype"
+                )
             self.check_shape(name, a.shape, ndim, axes, sizes)
             flags = a.flags
             if not flags.c_contiguous:
@@ -61,7 +66,9 @@ class ArrayGuard(ShapeGuard):
 
 
 def _not_plain(name: str, a: Any) -> GuardError:
-    return not_plain(name, a, np.ndarray, "numpy.ndarray", "arrays", "pass np.asarray(a) if its data is what to compute on")
+    return not_plain(
+        name, a, np.ndarray, "numpy.ndarray", "arrays", "pass np.asarray(a) if its data is what to compute on"
+    )
 
 
 def _dt(dtype: np.dtype) -> str:

@@ -4,9 +4,18 @@ function, and turns the library's own exceptions into a one-block message with e
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import importlib
+import importlib.util
+from collections.abc import Callable
+from typing import Any
 
-import click
+try:
+    import click
+except ImportError:  # the runtime alone: `import loader` works, the command line needs an extra
+    raise SystemExit(
+        "precompile: the command line needs the serve or the build extra: "
+        "pip install 'precompile[serve]' (to serve) or 'precompile[build]' (to build)"
+    ) from None
 
 from loader.errors import LoaderError
 
@@ -27,31 +36,95 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# What each extra adds that commands import, by import name (pyproject.toml names the distributions;
+# tests/test_install.py keeps the two in step).
+EXTRA_MODULES = {
+    "serve": ("fastapi", "uvicorn", "prometheus_client"),
+    "build": ("pydantic", "yaml", "rich", "ruamel.yaml", "safetensors"),
+}
+
+# Each command: the module under precompile.cli that defines it, and the extra it needs. A command's
+# module is imported only when that command runs (or --help lists it), so `precompile serve` never
+# imports the build side, and a command whose extra is missing says so in one line.
+COMMANDS = {
+    "serve": ("serve", "serve"),
+    "inspect": ("inspect", None),
+    "cache": ("cache", None),
+    "export": ("export", None),
+    **{
+        name: (module, "build")
+        for name, module in {
+            "build": "build",
+            "assemble": "assemble",
+            "plan": "plan",
+            "schema": "schema",
+            "profile": "profile_cmd",
+            "init": "init",
+            "doctor": "doctor",
+            "keygen": "keygen",
+            "pack": "pack",
+            "sign": "sign",
+            "verify": "verify",
+            "push": "push",
+            "pull": "pull",
+            "ls": "ls",
+            "promote": "promote",
+        }.items()
+    },
+}
+
+
+def missing_modules(extra: str | None) -> list[str]:
+    """The modules of ``extra`` that cannot be imported here (none for the runtime's commands)."""
+    return [m for m in EXTRA_MODULES.get(extra or "", ()) if not _importable(m)]
+
+
+def _importable(module: str) -> bool:
+    # The top-level name only: finding ruamel.yaml would import ruamel, and --help imports nothing.
+    try:
+        return importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class Commands(click.Group):
+    """The command group, importing each command's module on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, extra = COMMANDS[name]
+        missing = missing_modules(extra)
+        if missing:
+            return _needs_extra(name, extra, missing)
+        if name not in self.commands:
+            importlib.import_module(f"{__name__}.{module}")  # registers the command on main
+        return self.commands[name]
+
+
+def _needs_extra(name: str, extra: str, missing: list[str]) -> click.Command:
+    """A stand-in for a command whose extra is not installed: any use of it is that one-line error."""
+    message = f"precompile {name} needs the {extra} extra ({', '.join(missing)} not installed): pip install 'precompile[{extra}]'"
+
+    def refuse(args: tuple[str, ...]) -> None:
+        raise click.ClickException(message)
+
+    return click.Command(
+        name,
+        callback=refuse,
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        help=f"(needs pip install 'precompile[{extra}]')",
+        context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    )
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="precompile")
 def main() -> None:
     """Ahead-of-time compiled PyTorch models for inputs whose shapes change.
 
     Build an artifact from a profile in CI, load it in serving processes with loader.load().
     """
-
-
-from . import build as _build  # noqa: E402,F401  (commands register themselves on main)
-from . import assemble as _assemble  # noqa: E402,F401
-from . import inspect as _inspect  # noqa: E402,F401
-from . import plan as _plan  # noqa: E402,F401
-from . import schema as _schema  # noqa: E402,F401
-from . import profile_cmd as _profile_cmd  # noqa: E402,F401
-from . import serve as _serve  # noqa: E402,F401
-from . import cache as _cache  # noqa: E402,F401
-from . import keygen as _keygen  # noqa: E402,F401
-from . import pack as _pack  # noqa: E402,F401
-from . import sign as _sign  # noqa: E402,F401
-from . import verify as _verify  # noqa: E402,F401
-from . import push as _push  # noqa: E402,F401
-from . import pull as _pull  # noqa: E402,F401
-from . import ls as _ls  # noqa: E402,F401
-from . import init as _init  # noqa: E402,F401
-from . import doctor as _doctor  # noqa: E402,F401
-from . import promote as _promote  # noqa: E402,F401
-from . import export as _export  # noqa: E402,F401

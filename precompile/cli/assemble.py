@@ -9,12 +9,32 @@ from . import main, user_errors
 
 @main.command()
 @click.argument("parts", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), help="Artifact folder [default: artifacts/<name>].")
-@click.option("--profile", type=click.Path(dir_okay=False, path_type=Path), help="The profile the parts were built from [default: the path recorded in the parts].")
-@click.option("--artifact-version", "version", type=click.IntRange(min=1), default=1, show_default=True, help="Release number of this artifact name; loaders can refuse older ones.")
-@click.option("--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Artifact folder [default: artifacts/<name>].",
+)
+@click.option(
+    "--profile",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The profile the parts were built from [default: the path recorded in the parts].",
+)
+@click.option(
+    "--artifact-version",
+    "version",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Release number of this artifact name; loaders can refuse older ones.",
+)
+@click.option(
+    "--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00."
+)
 @user_errors
-def assemble(parts: tuple[Path, ...], output: Path | None, profile: Path | None, version: int, expires: str | None) -> None:
+def assemble(
+    parts: tuple[Path, ...], output: Path | None, profile: Path | None, version: int, expires: str | None
+) -> None:
     """Join the PARTS of a sharded build (`precompile build --shard K/N`) into one artifact.
 
     Checks that the parts come from the same profile, model weights and torch, and that shards 1..N
@@ -24,5 +44,7 @@ def assemble(parts: tuple[Path, ...], output: Path | None, profile: Path | None,
     from ..progress import RichProgress
     from ..shard import assemble as run_assemble
 
-    result = run_assemble(list(parts), output, profile=profile, progress=RichProgress(), version=version, expires=expires)
+    result = run_assemble(
+        list(parts), output, profile=profile, progress=RichProgress(), version=version, expires=expires
+    )
     click.echo(str(result.path))

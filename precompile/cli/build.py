@@ -9,14 +9,59 @@ from . import main, user_errors
 
 @main.command()
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), help="Artifact folder [default: artifacts/<name>].")
-@click.option("--artifact-version", "version", type=click.IntRange(min=1), default=1, show_default=True, help="Release number of this artifact name; loaders can refuse older ones.")
-@click.option("--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Variants compiled at once, each in its own process [default: one per core; with ray, the cluster's CPUs / --ray-cpus].")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Where units compile: this host, or tasks on a Ray cluster (the ray extra).")
-@click.option("--address", metavar="HOST:PORT", help="With --executor ray: the cluster's head, as `ray start --head` printed it [default: RAY_ADDRESS, a cluster on this host, else a local Ray].")
-@click.option("--shard", metavar="K/N", help="Compile only the K-th of N shares of the units into a part (default -o: artifacts/<name>.part-K-of-N); join the N parts with `precompile assemble`.")
-@click.option("--ray-cpus", type=click.IntRange(min=1), default=1, show_default=True, help="With --executor ray: CPUs each unit reserves (and Inductor's compile threads).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Artifact folder [default: artifacts/<name>].",
+)
+@click.option(
+    "--artifact-version",
+    "version",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Release number of this artifact name; loaders can refuse older ones.",
+)
+@click.option(
+    "--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00."
+)
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    help="Variants compiled at once, each in its own process [default: one per core; with ray, the cluster's CPUs / --ray-cpus].",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where units compile: this host, or tasks on a Ray cluster (the ray extra).",
+)
+@click.option(
+    "--address",
+    metavar="HOST:PORT",
+    help=(
+        "With --executor ray: the cluster's head, as `ray start --head` printed it "
+        "[default: RAY_ADDRESS, a cluster on this host, else a local Ray]."
+    ),
+)
+@click.option(
+    "--shard",
+    metavar="K/N",
+    help=(
+        "Compile only the K-th of N shares of the units into a part (default -o: artifacts/<name>.part-K-of-N); "
+        "join the N parts with `precompile assemble`."
+    ),
+)
+@click.option(
+    "--ray-cpus",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --executor ray: CPUs each unit reserves (and Inductor's compile threads).",
+)
 @user_errors
 def build(
     profile: Path,
@@ -37,17 +82,22 @@ def build(
     With --shard K/N, only every N-th unit from the K-th is compiled, into a part: run the N shards on
     N machines (a CI matrix), then `precompile assemble` the parts into the artifact.
     """
-    from ..build import build as run_build
     from ..executors import executor_named
+    from ..pipeline import build as run_build
     from ..progress import RichProgress
+    from ..shard import build_part, parse_shard
 
-    share = None
-    if shard is not None:
-        from ..shard import parse_shard
-
-        share = parse_shard(shard)
-        if version != 1 or expires is not None:
-            raise click.UsageError("--artifact-version and --expires belong to the artifact: give them to `precompile assemble`")
+    share = parse_shard(shard) if shard is not None else None
+    if share is not None and (version != 1 or expires is not None):
+        raise click.UsageError(
+            "--artifact-version and --expires belong to the artifact: give them to `precompile assemble`"
+        )
     runner = executor_named(executor, address=address, cpus=ray_cpus)
-    result = run_build(profile, output, progress=RichProgress(), version=version, expires=expires, jobs=jobs, executor=runner, shard=share)
+    if share is not None:
+        part = build_part(profile, share, output, jobs=jobs, executor=runner, progress=RichProgress())
+        click.echo(str(part.path))
+        return
+    result = run_build(
+        profile, output, progress=RichProgress(), version=version, expires=expires, jobs=jobs, executor=runner
+    )
     click.echo(str(result.path))

@@ -14,10 +14,27 @@ def export() -> None:
 
 @export.command("triton")
 @click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("-o", "--output", "repo", required=True, type=click.Path(path_type=Path), help="The model repository to write (new or empty folder).")
+@click.option(
+    "-o",
+    "--output",
+    "repo",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="The model repository to write (new or empty folder).",
+)
 @click.option("--link", is_flag=True, help="Symlink each artifact into its version folder instead of copying it.")
-@click.option("--instances", default=1, show_default=True, help="Model instances per model (KIND_CPU); each gets its share of the CPUs.")
-@click.option("--max-queue-delay-us", default=2000, show_default=True, help="How long Triton's dynamic batcher waits for batch-mates.")
+@click.option(
+    "--instances",
+    default=1,
+    show_default=True,
+    help="Model instances per model (KIND_CPU); each gets its share of the CPUs.",
+)
+@click.option(
+    "--max-queue-delay-us",
+    default=2000,
+    show_default=True,
+    help="How long Triton's dynamic batcher waits for batch-mates.",
+)
 @user_errors
 def triton(artifacts: tuple[Path, ...], repo: Path, link: bool, instances: int, max_queue_delay_us: int) -> None:
     """Write a Triton Inference Server model repository serving ARTIFACTS (folders or packs).
@@ -26,7 +43,7 @@ def triton(artifacts: tuple[Path, ...], repo: Path, link: bool, instances: int, 
     Python-backend model.py that serves it with loader.load(). Run it with
     `tritonserver --model-repository REPO` (README: "Serving in Triton Inference Server").
     """
-    from ..triton import export_triton
+    from ..ship.triton import export_triton
 
     for model in export_triton(artifacts, repo, link=link, instances=instances, max_queue_delay_us=max_queue_delay_us):
         c = model.config

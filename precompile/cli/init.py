@@ -11,14 +11,45 @@ from . import main, user_errors
 
 @main.command()
 @click.argument("factory", metavar="MODULE:FACTORY")
-@click.option("--example", "examples", multiple=True, metavar="NAME=SHAPE[:DTYPE]", help="An input of a representative call, e.g. input_ids=2x16:int64; repeat per input. A name already in the call, or ';', starts the next call.")
-@click.option("--traffic", type=click.Path(dir_okay=False, exists=True, path_type=Path), help='Observed calls instead of examples: JSON lines {"inputs": {"input_ids": "2x16:int64"}, "count": N}.')
-@click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=YAML", help="A keyword argument for the factory, e.g. --kwarg vocab=1000 (repeatable).")
+@click.option(
+    "--example",
+    "examples",
+    multiple=True,
+    metavar="NAME=SHAPE[:DTYPE]",
+    help="An input of a representative call, e.g. input_ids=2x16:int64; repeat per input. A name already in the call, or ';', starts the next call.",
+)
+@click.option(
+    "--traffic",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help='Observed calls instead of examples: JSON lines {"inputs": {"input_ids": "2x16:int64"}, "count": N}.',
+)
+@click.option(
+    "--kwarg",
+    "kwargs",
+    multiple=True,
+    metavar="KEY=YAML",
+    help="A keyword argument for the factory, e.g. --kwarg vocab=1000 (repeatable).",
+)
 @click.option("--name", help="The artifact's name [default: from the factory].")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("profile.yaml"), show_default=True, help="Profile to write; the factory is imported with its folder first on sys.path, as build does.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("profile.yaml"),
+    show_default=True,
+    help="Profile to write; the factory is imported with its folder first on sys.path, as build does.",
+)
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @user_errors
-def init(factory: str, examples: tuple[str, ...], traffic: Path | None, kwargs: tuple[str, ...], name: str | None, output: Path, force: bool) -> None:
+def init(
+    factory: str,
+    examples: tuple[str, ...],
+    traffic: Path | None,
+    kwargs: tuple[str, ...],
+    name: str | None,
+    output: Path,
+    force: bool,
+) -> None:
     """Write a profile for MODULE:FACTORY from a few representative calls.
 
     Axes whose sizes differ between calls become dims; torch.export says which the model keeps
@@ -28,7 +59,7 @@ def init(factory: str, examples: tuple[str, ...], traffic: Path | None, kwargs: 
       precompile init models:bert --example input_ids=2x16:int64 --example attention_mask=2x16:int64
       --example input_ids=4x40 --example attention_mask=4x40
     """
-    from ..init import init_profile, parse_examples, read_traffic
+    from ..authoring.init import init_profile, parse_examples, read_traffic
     from ..progress import RichProgress
 
     if bool(examples) == bool(traffic):
@@ -48,7 +79,9 @@ def init(factory: str, examples: tuple[str, ...], traffic: Path | None, kwargs: 
     words = [factory, *(f"--example {e}" for e in examples), *(f"--kwarg {k}" for k in kwargs)]
     command = "precompile init " + " ".join(shlex.quote(w) if " " in w and not w.startswith("--") else w for w in words)
     command += f" --traffic {traffic}" if traffic else ""
-    result = init_profile(factory, calls, output=output, kwargs=parsed, name=name, command=command, progress=RichProgress())
+    result = init_profile(
+        factory, calls, output=output, kwargs=parsed, name=name, command=command, progress=RichProgress()
+    )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(result.text, encoding="utf-8")
     for note in result.notes:

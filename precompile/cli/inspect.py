@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from loader.cuda import derived_kernels
+from loader.outputs import output_names
 
 from . import main, user_errors
 
@@ -15,7 +16,7 @@ from . import main, user_errors
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @user_errors
 def inspect(artifact: Path, as_json: bool) -> None:
-    """Show what an artifact (folder or pack) holds: target, torch, inputs and dim ranges, variants, files."""
+    """Show what an artifact (folder or pack) holds: target, torch, inputs, outputs, dim ranges, variants, files."""
     from loader.artifact import read_manifest
     from loader.pack import read_head
 
@@ -29,13 +30,19 @@ def inspect(artifact: Path, as_json: bool) -> None:
 def describe(manifest) -> str:
     t = manifest.target
     lines = [
-        f"name      {manifest.name}   version {manifest.version}" + (f"   expires {manifest.expires}" if manifest.expires else ""),
+        f"name      {manifest.name}   version {manifest.version}"
+        + (f"   expires {manifest.expires}" if manifest.expires else ""),
         f"target    {t.device} ({t.cpu_capability}; {t.platform}/{t.machine})",
         f"torch     {manifest.torch_version}   precompile {manifest.precompile_version}   built {manifest.created}",
         "inputs",
     ]
     for spec in manifest.inputs:
         lines.append(f"  {spec.name:<12} {spec.dtype:<9} [{', '.join(str(s) for s in spec.shape)}]")
+    lines.append(f"outputs   ({manifest.output.kind})")
+    for i, name in enumerate(output_names(manifest.output)):
+        axes = manifest.output_dims[i] if manifest.output_dims is not None else None
+        shape = "[" + ", ".join(d or "·" for d in axes) + "]" if axes is not None else "(axes not recorded)"
+        lines.append(f"  {name:<12} {shape}")
     lines.append("dims")
     for d, r in manifest.dims.items():
         lines.append(f"  {d:<12} {r}")
@@ -43,7 +50,8 @@ def describe(manifest) -> str:
     for v in manifest.variants:
         ranges = ", ".join(f"{d}={r.min}" if r.min == r.max else f"{d} {r}" for d, r in v.dims.items())
         lines.append(
-            f"  {v.id:<18} {v.kind:<8} {v.device:<5} {v.precision:<5} {ranges}" + (f"  ({v.dtype})" if v.dtype else "")
+            f"  {v.id:<18} {v.kind:<8} {v.device:<5} {v.precision:<5} {ranges}"
+            + (f"  ({v.dtype})" if v.dtype else "")
             + ("  [own weights]" if v.embedded_constants else "")
         )
         if v.precision != "fp32":

@@ -8,7 +8,15 @@ from . import main, user_errors
 
 
 @main.command()
-@click.option("-o", "--output", "prefix", type=click.Path(path_type=Path), default=Path("signing"), show_default=True, help="Writes PREFIX.key and PREFIX.pub.")
+@click.option(
+    "-o",
+    "--output",
+    "prefix",
+    type=click.Path(path_type=Path),
+    default=Path("signing"),
+    show_default=True,
+    help="Writes PREFIX.key and PREFIX.pub.",
+)
 @click.option("--force", is_flag=True, help="Overwrite existing key files.")
 @user_errors
 def keygen(prefix: Path, force: bool) -> None:
@@ -17,7 +25,7 @@ def keygen(prefix: Path, force: bool) -> None:
     Keep the .key in your CI's secret store and sign with `precompile sign ARTIFACT --key PREFIX.key`;
     give the .pub to serving hosts: loader.load(path, trusted_keys=["PREFIX.pub"]).
     """
-    from ..ship import keygen as run_keygen
+    from ..ship.sign import keygen as run_keygen
 
     private, public, key_id = run_keygen(prefix, force=force)
     click.echo(f"private key  {private}  (secret: mode 0600)")

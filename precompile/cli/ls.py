@@ -11,7 +11,7 @@ from .inspect import _size
 @user_errors
 def ls_cmd(url: str) -> None:
     """List the models and versions published under an object store URL (see `precompile push`)."""
-    from ..remote import ls
+    from ..ship.remote import ls
 
     found = ls(url)
     if not found:

@@ -10,9 +10,20 @@ from .inspect import _size
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Pack file [default: ARTIFACT.tar.zst beside the folder].")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Pack file [default: ARTIFACT.tar.zst beside the folder].",
+)
 @click.option("--level", type=click.IntRange(1, 19), default=3, show_default=True, help="zstandard compression level.")
-@click.option("--threads", type=click.IntRange(0, 256), default=0, show_default=True, help="Compression threads (0: one, and the same bytes on every machine).")
+@click.option(
+    "--threads",
+    type=click.IntRange(0, 256),
+    default=0,
+    show_default=True,
+    help="Compression threads (0: one, and the same bytes on every machine).",
+)
 @user_errors
 def pack(artifact: Path, output: Path | None, level: int, threads: int) -> None:
     """Write an artifact folder as one zstandard-compressed file that loader.load() accepts.
@@ -20,7 +31,7 @@ def pack(artifact: Path, output: Path | None, level: int, threads: int) -> None:
     Every file is checked against the manifest while it is packed; a signature (`precompile sign`)
     travels inside. On the host, the pack is unpacked once into the local cache.
     """
-    from ..ship import pack as run_pack
+    from ..ship.pack import pack as run_pack
 
     path = run_pack(artifact, output, level=level, threads=threads)
     click.echo(f"{path} ({_size(path.stat().st_size)})")

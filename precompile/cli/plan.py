@@ -14,8 +14,8 @@ from . import main, user_errors
 @user_errors
 def plan(profile: Path, as_json: bool) -> None:
     """Show the variants PROFILE's traffic calls for, without building anything."""
-    from ..plan import format_plan, make_plan
     from ..profile import load_profile
+    from ..stages.plan import format_plan, make_plan
 
     loaded = load_profile(profile)
     result = make_plan(loaded)

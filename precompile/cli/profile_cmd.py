@@ -15,8 +15,17 @@ def profile_group() -> None:
 @profile_group.command("merge")
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("recordings", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here (in the profile's folder) instead of editing PROFILE.")
-@click.option("--replace", is_flag=True, help="Drop the shapes PROFILE lists first: the distribution becomes the recorded traffic.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write here (in the profile's folder) instead of editing PROFILE.",
+)
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Drop the shapes PROFILE lists first: the distribution becomes the recorded traffic.",
+)
 @user_errors
 def merge(profile: Path, recordings: tuple[Path, ...], output: Path | None, replace: bool) -> None:
     """Fold recorded traffic files into PROFILE's distribution.shapes.
@@ -25,7 +34,7 @@ def merge(profile: Path, recordings: tuple[Path, ...], output: Path | None, repl
     {"dims": {...}, "count": N} a line. Counts of equal shapes are summed; comments and formatting of
     PROFILE are kept.
     """
-    from ..merge import merge_traffic
+    from ..authoring.merge import merge_traffic
 
     result = merge_traffic(profile, list(recordings), output=output, replace=replace)
     click.echo(

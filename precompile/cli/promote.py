@@ -8,7 +8,9 @@ from . import main, user_errors
 @main.command()
 @click.argument("url")
 @click.option("--version", "version", type=click.IntRange(min=1), required=True, help="The published version to serve.")
-@click.option("--pointer", default="current", show_default=True, help="The pointer object's name in the model's folder.")
+@click.option(
+    "--pointer", default="current", show_default=True, help="The pointer object's name in the model's folder."
+)
 @user_errors
 def promote(url: str, version: int, pointer: str) -> None:
     """Deploy a published version: point URL/current at it (one small object write).
@@ -18,7 +20,7 @@ def promote(url: str, version: int, pointer: str) -> None:
     at their next look, with all their checks and trust options; a server refuses an older version
     unless it runs with --allow-rollback.
     """
-    from ..remote import promote as run_promote
+    from ..ship.remote import promote as run_promote
 
     pointer_url, pack_url = run_promote(url, version, pointer=pointer)
     click.echo(f"{pointer_url} -> {pack_url}")

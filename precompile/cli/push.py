@@ -11,7 +11,13 @@ from .inspect import _size
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("url")
-@click.option("--level", type=click.IntRange(1, 19), default=3, show_default=True, help="zstandard level when ARTIFACT is a folder.")
+@click.option(
+    "--level",
+    type=click.IntRange(1, 19),
+    default=3,
+    show_default=True,
+    help="zstandard level when ARTIFACT is a folder.",
+)
 @user_errors
 def push(artifact: Path, url: str, level: int) -> None:
     """Publish an artifact (a folder, packed on the way, or a pack) to an object store.
@@ -20,7 +26,7 @@ def push(artifact: Path, url: str, level: int) -> None:
     (s3://bucket/models with the s3 extra). A published version never changes: the same content
     again is a no-op, other content is refused.
     """
-    from ..remote import push as run_push
+    from ..ship.remote import push as run_push
 
     pushed = run_push(artifact, url, level=level)
     if pushed.published:

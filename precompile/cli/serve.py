@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-import importlib
+import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -11,32 +11,116 @@ from . import main, user_errors
 if TYPE_CHECKING:
     from loader.manifest import Manifest
 
-SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
-
 
 @main.command()
 @click.argument("artifact")  # a path, or a URL (kept as typed: Path would fold its //)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Server processes, each loading the artifact.")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), help="Larger request bodies get HTTP 413 on every endpoint. Default: the JSON size of the largest call within the artifact's dim ranges (1 MiB to 256 MiB).")
-@click.option("--allow-reload", is_flag=True, help="Enable POST /v1/reload (an admin endpoint): reload ARTIFACT, or with --reload-root, artifacts under it.")
-@click.option("--reload-root", type=click.Path(exists=True, file_okay=False, path_type=Path), help="Let /v1/reload load artifacts under DIR only (symbolic links followed); without it, only ARTIFACT.")
-@click.option("--allow-rollback", is_flag=True, help="Let a reload or --watch swap to an older version (a request cannot ask for it).")
-@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Serve only artifacts signed by this public key (repeatable): the first load, --watch and reloads.")
-@click.option("--min-version", type=click.IntRange(min=0), help="Refuse artifact versions below N, at the first load, --watch and reloads.")
-@click.option("--refuse-rollback", is_flag=True, help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).")
-@click.option("--watch", is_flag=True, help="Follow ARTIFACT (a link or pointer file, or a pointer object in a store such as s3://.../current) and swap when a deploy replaces it.")
-@click.option("--watch-interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True, help="Seconds between looks at ARTIFACT.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Server processes, each loading the artifact.",
+)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    help=(
+        "Larger request bodies get HTTP 413 on every endpoint. Default: the JSON size of the largest call within "
+        "the artifact's dim ranges (1 MiB to 256 MiB)."
+    ),
+)
+@click.option(
+    "--allow-reload",
+    is_flag=True,
+    help="Enable POST /v1/reload (an admin endpoint): reload ARTIFACT, or with --reload-root, artifacts under it.",
+)
+@click.option(
+    "--reload-root",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Let /v1/reload load artifacts under DIR only (symbolic links followed); without it, only ARTIFACT.",
+)
+@click.option(
+    "--allow-rollback",
+    is_flag=True,
+    help="Let a reload or --watch swap to an older version (a request cannot ask for it).",
+)
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Serve only artifacts signed by this public key (repeatable): the first load, --watch and reloads.",
+)
+@click.option(
+    "--min-version",
+    type=click.IntRange(min=0),
+    help="Refuse artifact versions below N, at the first load, --watch and reloads.",
+)
+@click.option(
+    "--refuse-rollback",
+    is_flag=True,
+    help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).",
+)
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Follow ARTIFACT (a link or pointer file, or a pointer object in a store such as s3://.../current) and swap when a deploy replaces it.",
+)
+@click.option(
+    "--watch-interval",
+    type=click.FloatRange(min=0.05),
+    default=2.0,
+    show_default=True,
+    help="Seconds between looks at ARTIFACT.",
+)
 @click.option("--record", metavar="PATH", help="Write the observed shape histogram to PATH ({pid}: the process id).")
-@click.option("--record-interval", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="Seconds between writes of --record (and at shutdown).")
-@click.option("--batch", is_flag=True, help="Batch concurrent /predict and /v2 infer calls into the compiled variants (loader.Batcher).")
-@click.option("--max-batch", type=click.IntRange(min=1), help="With --batch: most rows one batch holds. Default: the largest batch a variant serves.")
-@click.option("--max-delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True, help="With --batch: longest a call waits for batch-mates.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=1024, show_default=True, help="With --batch: calls waiting at most; more get HTTP 503.")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "int8"]), default="auto", show_default=True, help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.")
+@click.option(
+    "--record-interval",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    show_default=True,
+    help="Seconds between writes of --record (and at shutdown).",
+)
+@click.option(
+    "--batch",
+    is_flag=True,
+    help="Batch concurrent /predict and /v2 infer calls into the compiled variants (loader.Batcher).",
+)
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    help="With --batch: most rows one batch holds. Default: the largest batch a variant serves.",
+)
+@click.option(
+    "--max-delay-ms",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="With --batch: longest a call waits for batch-mates.",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="With --batch: calls waiting at most; more get HTTP 503.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
+    default="auto",
+    show_default=True,
+    help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.",
+)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")
-@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+    default="info",
+    show_default=True,
+)
 @user_errors
 def serve(
     artifact: str,
@@ -70,30 +154,18 @@ def serve(
     model is loaded and warmed up in the background; /readyz answers 200 once it is. The trust options
     apply to every version served. Needs the serve extra: pip install 'precompile[serve]'.
     """
-    missing = [name for name in SERVE_PACKAGES if _missing(name)]
-    if missing:
-        raise click.ClickException(
-            f"precompile serve needs {', '.join(missing)}, which the core install leaves out: "
-            "pip install 'precompile[serve]'"
-        )
-    if workers > 1 and allow_reload:
-        raise click.UsageError(
-            "--allow-reload with --workers > 1: a POST /v1/reload reaches one worker only; "
-            "deploy by replacing ARTIFACT (a link or pointer file) and serve with --watch"
-        )
-    if workers > 1 and record and "{pid}" not in record:
-        raise click.UsageError(
-            f"--record {record} with --workers {workers}: each worker writes its own file; put {{pid}} in the "
-            "path (e.g. traffic-{pid}.jsonl) and merge them with `precompile profile merge`"
-        )
-    if reload_root is not None and not allow_reload:
-        raise click.UsageError("--reload-root without --allow-reload: reload is off")
-    if allow_rollback and refuse_rollback:
-        raise click.UsageError("--allow-rollback and --refuse-rollback contradict each other; pick one")
-    if trusted_keys and no_verify:
-        raise click.UsageError("--no-verify skips the sha256 checks a signature relies on; drop it or --trusted-key")
-    if not batch and (max_batch is not None or _given("max_delay_ms") or _given("max_queue")):
-        raise click.UsageError("--max-batch, --max-delay-ms and --max-queue apply with --batch only")
+    _check_combinations(
+        workers=workers,
+        allow_reload=allow_reload,
+        reload_root=reload_root,
+        record=record,
+        allow_rollback=allow_rollback,
+        refuse_rollback=refuse_rollback,
+        trusted_keys=trusted_keys,
+        no_verify=no_verify,
+        batch=batch,
+        max_batch=max_batch,
+    )
     manifest = _preflight(artifact, record, trusted_keys)
 
     from ..serve.codec import body_limit
@@ -120,21 +192,54 @@ def serve(
         max_queue=max_queue,
         precision=precision,
     )
+    # uvicorn drains on SIGTERM, then raises it again against the handler it found: with this one, a
+    # drain that a stop asked for (docker stop, a pod's termination) ends with status 0, not 143.
+    signal.signal(signal.SIGTERM, _stopped)
     run(config, host=host, port=port, workers=workers, log_level=log_level)
+
+
+def _check_combinations(
+    *,
+    workers: int,
+    allow_reload: bool,
+    reload_root: Path | None,
+    record: str | None,
+    allow_rollback: bool,
+    refuse_rollback: bool,
+    trusted_keys: tuple[Path, ...],
+    no_verify: bool,
+    batch: bool,
+    max_batch: int | None,
+) -> None:
+    """Refuse options that contradict each other (a UsageError naming both)."""
+    if workers > 1 and allow_reload:
+        raise click.UsageError(
+            "--allow-reload with --workers > 1: a POST /v1/reload reaches one worker only; "
+            "deploy by replacing ARTIFACT (a link or pointer file) and serve with --watch"
+        )
+    if workers > 1 and record and "{pid}" not in record:
+        raise click.UsageError(
+            f"--record {record} with --workers {workers}: each worker writes its own file; put {{pid}} in the "
+            "path (e.g. traffic-{pid}.jsonl) and merge them with `precompile profile merge`"
+        )
+    if reload_root is not None and not allow_reload:
+        raise click.UsageError("--reload-root without --allow-reload: reload is off")
+    if allow_rollback and refuse_rollback:
+        raise click.UsageError("--allow-rollback and --refuse-rollback contradict each other; pick one")
+    if trusted_keys and no_verify:
+        raise click.UsageError("--no-verify skips the sha256 checks a signature relies on; drop it or --trusted-key")
+    if not batch and (max_batch is not None or _given("max_delay_ms") or _given("max_queue")):
+        raise click.UsageError("--max-batch, --max-delay-ms and --max-queue apply with --batch only")
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _given(name: str) -> bool:
     """Whether the user gave option ``name`` (not its default)."""
     source = click.get_current_context().get_parameter_source(name)
     return source is not None and source is not click.core.ParameterSource.DEFAULT
-
-
-def _missing(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return True
-    return False
 
 
 def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]) -> Manifest:

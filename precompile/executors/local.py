@@ -16,17 +16,16 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING, Iterator
 
 from loader.threads import cpu_allowance
 
 from ..errors import PrecompileError
-from . import CompileJob, Outcome
-
-if TYPE_CHECKING:
-    from ..build import CompileTask
+from ..units import CompileTask
+from .base import CompileJob, Outcome
+from .worker import compile_in_worker, compile_unit, default_jobs, worker_died
 
 COMPILE_THREADS_ENV = "PRECOMPILE_COMPILE_THREADS"
 
@@ -48,14 +47,13 @@ def compile_threads(jobs: int, env: dict[str, str] | None = None) -> int:
 
 class LocalExecutor:
     def run(self, job: CompileJob, tasks: Iterator[CompileTask]) -> Iterator[Outcome]:
-        from ..build import _compile_in_worker, _compile_one, default_jobs, worker_died
-
         jobs = default_jobs(job.units) if job.jobs is None else max(1, min(job.jobs, job.units))
         threads = compile_threads(jobs)  # per worker process; a bad PRECOMPILE_COMPILE_THREADS fails any build
         if jobs == 1 and not job.tuning:
+            ctx = job.context
             for task in tasks:
                 try:
-                    result = _compile_one(job.loaded, job.model, task, job.staging)
+                    result = compile_unit(ctx.loaded, ctx.model, task, job.staging, calibration=lambda: ctx.calibration)
                 except PrecompileError as e:
                     yield Outcome(task, None, e)
                 else:
@@ -69,7 +67,10 @@ class LocalExecutor:
                     if task is None:
                         break
                     pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-                    running[pool.submit(_compile_in_worker, job.loaded.path, task, job.staging, threads)] = (task, pool)
+                    running[pool.submit(compile_in_worker, job.context.loaded.path, task, job.staging, threads)] = (
+                        task,
+                        pool,
+                    )
                 if not running:
                     return
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -78,7 +79,7 @@ class LocalExecutor:
                     pool.shutdown(wait=False)
                     error = future.exception()
                     if isinstance(error, BrokenProcessPool):
-                        yield self._again_here(job, task, worker_died(task, jobs), _compile_one)
+                        yield self._again_here(job, task, worker_died(task, jobs))
                         continue
                     yield Outcome(task, future.result() if error is None else None, error)
         finally:
@@ -87,7 +88,7 @@ class LocalExecutor:
                 pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
-    def _again_here(job: CompileJob, task: CompileTask, died: str, compile_one) -> Outcome:
+    def _again_here(job: CompileJob, task: CompileTask, died: str) -> Outcome:
         """Compile a unit whose worker died in this process, with the fault handler on: if it crashes
         again, the traceback of every thread shows where; if it succeeds (the worker was most likely
         killed for memory), the build goes on with it."""
@@ -96,6 +97,9 @@ class LocalExecutor:
         if not faulthandler.is_enabled():
             faulthandler.enable()
         try:
-            return Outcome(task, compile_one(job.loaded, job.model, task, job.staging))
+            ctx = job.context
+            return Outcome(
+                task, compile_unit(ctx.loaded, ctx.model, task, job.staging, calibration=lambda: ctx.calibration)
+            )
         except PrecompileError as e:
             return Outcome(task, None, e)

@@ -22,20 +22,20 @@ import logging
 import os
 import socket
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any
 
 import torch
 
 from loader import constants as C
+from loader.errors import first_line
 
-from ..compile import CompiledPackage
 from ..errors import CompileError, PrecompileError
-from . import CompileJob, Outcome
-
-if TYPE_CHECKING:
-    from ..build import CompileTask
+from ..units import CompileTask, UnitResult
+from .base import CompileJob, Outcome
+from .worker import compile_in_worker
 
 RETRIES = 2  # attempts after the first, per unit
 CONNECT_TIMEOUT = 5.0  # seconds to reach the head before saying it is not there
@@ -65,11 +65,13 @@ class RayExecutor:
             slots = max(1, min(slots, job.units))
             if job.progress is not None:
                 cpus = sum(n["Resources"].get("CPU", 0) for n in nodes)
-                job.progress.note(f"ray: {len(nodes)} node(s), {cpus:g} CPU(s); {slots} unit(s) at a time, {self.cpus} CPU(s) each")
+                job.progress.note(
+                    f"ray: {len(nodes)} node(s), {cpus:g} CPU(s); {slots} unit(s) at a time, {self.cpus} CPU(s) each"
+                )
             # Every unit in a worker process of its own, retried on worker or node death and on exceptions
             # that are not ours (ours return as values: see compile_unit).
             remote = ray.remote(max_calls=1, max_retries=self.retries, retry_exceptions=True)(compile_unit)
-            profile = str(Path(job.loaded.path).resolve())
+            profile = str(Path(job.context.loaded.path).resolve())
             feasible: set[tuple] = set()
             while True:
                 while len(running) < slots:
@@ -83,8 +85,11 @@ class RayExecutor:
                         feasible.add(key)
                     gpus = needs.pop("GPU", 0)
                     ref = remote.options(
-                        num_cpus=self.cpus, num_gpus=gpus, resources={k: v for k, v in needs.items() if k != "CPU"} or None,
-                        scheduling_strategy="SPREAD", name=f"precompile:{task.vp.id}.c{task.candidate}",
+                        num_cpus=self.cpus,
+                        num_gpus=gpus,
+                        resources={k: v for k, v in needs.items() if k != "CPU"} or None,
+                        scheduling_strategy="SPREAD",
+                        name=f"precompile:{task.vp.id}.c{task.candidate}",
                     ).remote(profile, task, self.cpus, torch.__version__)
                     running[ref] = task
                 if not running:
@@ -114,7 +119,9 @@ class RayExecutor:
             ray.init(address=self.address, **options)
         except Exception as e:  # ConnectionError, a version mismatch (RuntimeError), ...
             where = f"--address {self.address}" if self.address else "ray.init()"
-            raise PrecompileError(f"{where}: cannot connect to the Ray cluster: {type(e).__name__}: {_first_line(e)}") from None
+            raise PrecompileError(
+                f"{where}: cannot connect to the Ray cluster: {type(e).__name__}: {first_line(e, limit=500)}"
+            ) from None
         return True
 
     def _needs(self, task: CompileTask) -> dict[str, float]:
@@ -133,7 +140,13 @@ class RayExecutor:
             raise
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if e.cause is not None else e
-            return Outcome(task, None, CompileError(f"{name}: failed {self.retries + 1} time(s) on the Ray cluster: {type(cause).__name__}: {_first_line(cause)}"))
+            return Outcome(
+                task,
+                None,
+                CompileError(
+                    f"{name}: failed {self.retries + 1} time(s) on the Ray cluster: {type(cause).__name__}: {first_line(cause, limit=500)}"
+                ),
+            )
         except ray.exceptions.RayError as e:
             return Outcome(
                 task,
@@ -141,19 +154,17 @@ class RayExecutor:
                 CompileError(
                     f"{name}: its Ray task failed {self.retries + 1} time(s): {type(e).__name__} (its worker process or "
                     "node died: most often the out-of-memory killer, else a crash in torch or the compiler; the "
-                    f"worker's output is above, prefixed with its pid): {_first_line(e)}"
+                    f"worker's output is above, prefixed with its pid): {first_line(e, limit=500)}"
                 ),
             )
         if "error" in value:
             return Outcome(task, None, value["error"], value["host"])
-        result = []
-        for item in value["result"]:
-            if isinstance(item, CompiledPackage):  # compiled elsewhere: into this build's staging folder
-                path = job.staging / C.VARIANTS_DIR / item.path.name
-                path.write_bytes(value["files"][item.path.name])
-                item = replace(item, path=path)
-            result.append(item)
-        return Outcome(task, tuple(result), None, value["host"])
+        result: UnitResult = value["result"]
+        pkg = result.unit.package  # compiled elsewhere: into this build's staging folder
+        path = job.staging / C.VARIANTS_DIR / pkg.path.name
+        path.write_bytes(value["files"][pkg.path.name])
+        unit = replace(result.unit, package=replace(pkg, path=path))
+        return Outcome(task, replace(result, unit=unit), None, value["host"])
 
     @staticmethod
     def _name(task: CompileTask, job: CompileJob) -> str:
@@ -162,10 +173,8 @@ class RayExecutor:
 
 def compile_unit(profile: str, task: CompileTask, threads: int, torch_version: str) -> dict[str, Any]:
     """The Ray task: compile one unit into a temporary folder of this worker's; return what
-    ``_compile_one`` returned with each package's bytes (``files``), or the PrecompileError it raised."""
-    import ray
-
-    from ..build import _compile_in_worker
+    ``compile_unit`` returned with its package's bytes (``files``), or the PrecompileError it raised."""
+    import ray  # in the Ray worker process, which has it
 
     host = ray.util.get_node_ip_address()
     try:
@@ -181,8 +190,9 @@ def compile_unit(profile: str, task: CompileTask, threads: int, torch_version: s
             )
         with tempfile.TemporaryDirectory(prefix="precompile-unit-") as scratch:
             (Path(scratch) / C.VARIANTS_DIR).mkdir()
-            result = _compile_in_worker(Path(profile), task, Path(scratch), threads)
-            files = {item.path.name: item.path.read_bytes() for item in result if isinstance(item, CompiledPackage)}
+            result = compile_in_worker(Path(profile), task, Path(scratch), threads)
+            pkg = result.unit.package
+            files = {pkg.path.name: pkg.path.read_bytes()}
     except PrecompileError as e:
         return {"host": host, "error": e}
     return {"host": host, "result": result, "files": files}
@@ -192,7 +202,9 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise PrecompileError("--executor ray needs Ray on this host and the cluster's: pip install 'precompile[ray]'") from None
+        raise PrecompileError(
+            "--executor ray needs Ray on this host and the cluster's: pip install 'precompile[ray]'"
+        ) from None
     return ray
 
 
@@ -208,21 +220,26 @@ def _check_feasible(nodes: list[dict[str, Any]], needs: dict[str, float], name: 
         return
     wanted = ", ".join(f"{k}: {v:g}" for k, v in needs.items())
     offered = "; ".join(
-        ", ".join(f"{k}: {v:g}" for k, v in sorted(n["Resources"].items()) if k in needs) or "none of them" for n in nodes
+        ", ".join(f"{k}: {v:g}" for k, v in sorted(n["Resources"].items()) if k in needs) or "none of them"
+        for n in nodes
     )
     hint = (
         f"start a node with it (ray start --num-gpus 1 --resources '{{\"{gpu_resource()}\": 1}}')"
         if "GPU" in needs
         else "lower --ray-cpus"
     )
-    raise PrecompileError(f"{name}: no node of the Ray cluster has {wanted} (nodes offer: {offered or 'no nodes'}); {hint}")
+    raise PrecompileError(
+        f"{name}: no node of the Ray cluster has {wanted} (nodes offer: {offered or 'no nodes'}); {hint}"
+    )
 
 
 def _check_reachable(address: str) -> None:
     """Say at once that nothing listens at ``address`` (ray.init would retry for a minute)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise PrecompileError(f"--address {address}: not HOST:PORT (the head's address, as `ray start --head` printed it)")
+        raise PrecompileError(
+            f"--address {address}: not HOST:PORT (the head's address, as `ray start --head` printed it)"
+        )
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
     except OSError as e:
@@ -230,8 +247,3 @@ def _check_reachable(address: str) -> None:
             f"--address {address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); start one with "
             f"`ray start --head --port {port}`, or give the address it printed"
         ) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:500] if text else type(e).__name__

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from loader.errors import first_line
 from loader.guards import TORCH_DTYPES
 from loader.manifest import Manifest
 
@@ -83,7 +84,7 @@ def to_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
         # so a value too large for the input's dtype becomes infinity and is refused below.
         t = torch.tensor(value, dtype=torch.float64 if dtype.is_floating_point else None)
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-        raise BodyError(f"input {name!r}: not a rectangular nested list of numbers ({_first_line(e)})") from None
+        raise BodyError(f"input {name!r}: not a rectangular nested list of numbers ({first_line(e)})") from None
     if t.numel() == 0:
         return t.to(dtype)
     if dtype is torch.bool:
@@ -123,7 +124,7 @@ def _leaf_types(name: str, value: Any) -> set[type]:
     """The Python types of the non-list values in a nested list, level by level (no recursion)."""
     kinds: set[type] = set()
     level = [value]
-    for depth in range(MAX_RANK + 2):
+    for _depth in range(MAX_RANK + 2):
         if not level:
             return kinds
         deeper = []
@@ -211,8 +212,3 @@ def json_kind(value: Any) -> str:
 
 def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -17,7 +17,9 @@ class ServeConfig:
     max_body_bytes: int | None = None  # larger bodies get 413 on every endpoint; None: sized from the manifest
     allow_reload: bool = False  # POST /v1/reload (an admin endpoint)
     reload_root: str | None = None  # reload may load artifacts under this folder only; None: the served path only
-    allow_rollback: bool = False  # let a reload or the watcher go to an older version (the server decides, never a request)
+    allow_rollback: bool = (
+        False  # let a reload or the watcher go to an older version (the server decides, never a request)
+    )
     watch: bool = False  # follow ``artifact`` (a link or pointer file) as deploys replace it
     watch_interval: float = 2.0
     record: str | None = None  # write the shape histogram here ({pid}: this process's id)

@@ -1,6 +1,6 @@
 """The server's exception policy, in one place: what each exception a request can end in is answered.
 
-Every handler runs its work through ``Service.answer`` (app.py), which asks ``refusal(e)`` what an
+Every handler runs its work through ``Service.answer`` (service.py), which asks ``refusal(e)`` what an
 exception means. Codes are gRPC's (and Triton's ``TRITONSERVER_Error`` kinds); each protocol maps
 them to HTTP statuses:
 
@@ -120,4 +120,6 @@ def refusal(e: Exception) -> Refused | None:
 def internal(e: Exception) -> Refused:
     """The refusal an unexpected exception is answered with (after its traceback is logged)."""
     text = str(e).strip()
-    return Refused(Code.INTERNAL, f"internal error: {type(e).__name__}: {text.splitlines()[0] if text else type(e).__name__}")
+    return Refused(
+        Code.INTERNAL, f"internal error: {type(e).__name__}: {text.splitlines()[0] if text else type(e).__name__}"
+    )

@@ -7,7 +7,8 @@ limit, so no endpoint ever holds more than the limit in memory.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from .errors import Code, Refused
 

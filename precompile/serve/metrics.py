@@ -23,7 +23,7 @@ the answering worker's.
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import InfoMetricFamily
@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
 
 def guard_reason(error: Exception) -> str:
     """The label of a refused call: the GuardError's own ``reason``."""
@@ -59,7 +60,9 @@ class ArtifactInfo(Collector):
         metric = InfoMetricFamily("precompile_artifact", "The artifact being served")
         serving = self._serving()
         if serving is not None:
-            metric.add_metric([], {"name": serving["name"], "version": str(serving["version"]), "digest": serving["digest"]})
+            metric.add_metric(
+                [], {"name": serving["name"], "version": str(serving["version"]), "digest": serving["digest"]}
+            )
         yield metric
 
 
@@ -74,23 +77,37 @@ class Metrics:
             owner = None  # values live in files; the collector above reads every worker's
         else:
             owner = self.registry
-        self.requests = Counter("precompile_requests", "/predict and /v2 infer responses by HTTP status", ["code"], registry=owner)
+        self.requests = Counter(
+            "precompile_requests", "/predict and /v2 infer responses by HTTP status", ["code"], registry=owner
+        )
         self.latency = Histogram(
-            "precompile_predict_seconds", "Latency of successful /predict and /v2 infer requests, by variant and its precision", ["variant", "precision"],
-            buckets=LATENCY_BUCKETS, registry=owner,
+            "precompile_predict_seconds",
+            "Latency of successful /predict and /v2 infer requests, by variant and its precision",
+            ["variant", "precision"],
+            buckets=LATENCY_BUCKETS,
+            registry=owner,
         )
         self.rejections = Counter(
             "precompile_rejections", "Refused /predict and /v2 infer requests by reason", ["reason"], registry=owner
         )
         self.shapes = Counter(
-            "precompile_shape_calls", "Predictions per shape bucket (dims rounded up to powers of two)", ["shape"],
+            "precompile_shape_calls",
+            "Predictions per shape bucket (dims rounded up to powers of two)",
+            ["shape"],
             registry=owner,
         )
-        self.batch_size = Histogram("precompile_batch_size", "Batches run by --batch, by size", buckets=BATCH_BUCKETS, registry=owner)
-        self.queue_wait = Histogram(
-            "precompile_batch_queue_wait_seconds", "How long each call waited for its batch", buckets=LATENCY_BUCKETS, registry=owner
+        self.batch_size = Histogram(
+            "precompile_batch_size", "Batches run by --batch, by size", buckets=BATCH_BUCKETS, registry=owner
         )
-        self.reloads = Counter("precompile_reloads", "Swaps to a new artifact version, by result", ["result"], registry=owner)
+        self.queue_wait = Histogram(
+            "precompile_batch_queue_wait_seconds",
+            "How long each call waited for its batch",
+            buckets=LATENCY_BUCKETS,
+            registry=owner,
+        )
+        self.reloads = Counter(
+            "precompile_reloads", "Swaps to a new artifact version, by result", ["result"], registry=owner
+        )
         self.registry.register(ArtifactInfo(describe_artifact))
 
     def count_batch(self, size: int, waits: list[float]) -> None:
@@ -101,4 +118,3 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from fastapi import APIRouter, FastAPI, Request
@@ -37,12 +37,10 @@ from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 
+from .. import __version__
 from .codec import MAX_RANK, check_finite, dumps, json_kind, parse_json, to_tensor
 from .errors import Code, Refused
-
-if TYPE_CHECKING:
-    from .app import Service
-
+from .service import Service
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 DATATYPES = {
@@ -73,8 +71,6 @@ def mount_oip(app: FastAPI, service: Service) -> None:
     @router.get("")
     def server_metadata() -> dict:
         """Server name, version and protocol extensions."""
-        from precompile import __version__
-
         return {"name": "precompile", "version": __version__, "extensions": ["binary_tensor_data"]}
 
     @router.get("/health/live")
@@ -91,7 +87,9 @@ def mount_oip(app: FastAPI, service: Service) -> None:
     @router.get("/models/{name}")
     async def model_metadata(name: str, request: Request) -> Response:
         """The model's inputs and outputs: names, datatypes, shapes (-1 for a dynamic dim)."""
-        return await service.answer(request, lambda: run_in_threadpool(lambda: JSONResponse(_metadata(_serving(service, name)))))
+        return await service.answer(
+            request, lambda: run_in_threadpool(lambda: JSONResponse(_metadata(_serving(service, name))))
+        )
 
     @router.get("/models/{name}/ready")
     async def model_ready(name: str, request: Request) -> Response:
@@ -179,7 +177,9 @@ def _output_metadata(serving: Serving) -> list[dict[str, Any]]:
 class InferRequest:
     """A decoded infer request: tensors by input name and how each output should be sent back."""
 
-    def __init__(self, inputs: dict[str, torch.Tensor], request_id: str | None, wanted: dict[str, bool] | None, binary_all: bool):
+    def __init__(
+        self, inputs: dict[str, torch.Tensor], request_id: str | None, wanted: dict[str, bool] | None, binary_all: bool
+    ):
         self.inputs = inputs
         self.id = request_id
         self.wanted = wanted  # output name -> binary; None: every output
@@ -221,7 +221,11 @@ def parse_infer_request(body: bytes, header_length: str | None, manifest: Manife
         if item.get("datatype") != DATATYPES[spec.dtype]:
             raise _invalid(f"input {name!r}: datatype must be {DATATYPES[spec.dtype]}, got {item.get('datatype')!r}")
         shape = item.get("shape")
-        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(s) is int and 0 <= s <= MAX_SIZE for s in shape):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_RANK
+            or not all(type(s) is int and 0 <= s <= MAX_SIZE for s in shape)
+        ):
             raise _invalid(f"input {name!r}: shape must be a list of at most {MAX_RANK} sizes in [0, {MAX_SIZE}]")
         count = math.prod(shape)
         dtype = TORCH_DTYPES[spec.dtype]
@@ -286,10 +290,14 @@ def _wanted_outputs(request: dict[str, Any], binary_all: bool) -> dict[str, bool
     outputs = request.get("outputs")
     if outputs is None:
         return None
-    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
+    if not isinstance(outputs, list) or not all(
+        isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
+    ):
         raise _invalid('outputs must be a list of {"name": ..., "parameters": {...}}')
     return {
-        o["name"]: _flag(f"outputs[{i}].parameters", _parameters(f"outputs[{i}].parameters", o), "binary_data", binary_all)
+        o["name"]: _flag(
+            f"outputs[{i}].parameters", _parameters(f"outputs[{i}].parameters", o), "binary_data", binary_all
+        )
         for i, o in enumerate(outputs)
     }
 
@@ -320,11 +328,15 @@ def infer_response(serving: Serving, outputs: Any, request: InferRequest) -> Res
         header = dumps(result)
     except ValueError:
         raise Refused(
-            Code.INVALID_ARGUMENT, "the outputs hold NaN or infinity, which JSON cannot carry; ask for them in binary", "non_finite_output"
+            Code.INVALID_ARGUMENT,
+            "the outputs hold NaN or infinity, which JSON cannot carry; ask for them in binary",
+            "non_finite_output",
         ) from None
     if not chunks:
         return Response(header, media_type="application/json")
-    return Response(header + b"".join(chunks), media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(header))})
+    return Response(
+        header + b"".join(chunks), media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(header))}
+    )
 
 
 def _little_endian_bytes(t: torch.Tensor) -> bytes:

@@ -26,7 +26,9 @@ class ReloadRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     path: str = Field(
-        min_length=1, max_length=4096, description="artifact folder, pack, link or pointer file (relative: under --reload-root)"
+        min_length=1,
+        max_length=4096,
+        description="artifact folder, pack, link or pointer file (relative: under --reload-root)",
     )
 
 

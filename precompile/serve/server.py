@@ -56,7 +56,9 @@ def reexec_with(env: dict[str, str]) -> None:
 HTTP_PROTOCOL = "precompile.serve.protocol:NoDelayHTTPProtocol"
 
 
-def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level: str = "info") -> None:
+def run(
+    config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, log_level: str = "info"
+) -> None:
     import uvicorn
 
     env = serving_env(workers)
@@ -78,7 +80,12 @@ def run(config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000, worke
     os.environ.update(env)
     try:
         uvicorn.run(
-            "precompile.serve.app:app_from_env", factory=True, host=host, port=port, workers=workers, log_level=log_level,
+            "precompile.serve.app:app_from_env",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level=log_level,
             http=HTTP_PROTOCOL,
         )
     finally:

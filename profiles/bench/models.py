@@ -58,9 +58,7 @@ class Seq2Seq(nn.Module):
 
     def __init__(self, d_model: int, nhead: int, layers: int, ffn: int):
         super().__init__()
-        self.transformer = nn.Transformer(
-            d_model, nhead, layers, layers, ffn, dropout=0.0, batch_first=True
-        )
+        self.transformer = nn.Transformer(d_model, nhead, layers, layers, ffn, dropout=0.0, batch_first=True)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         pad = ~mask

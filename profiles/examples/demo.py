@@ -15,8 +15,8 @@ import torch
 
 import loader
 from precompile.profile import load_profile
-from precompile.resolve import resolve_model
 from precompile.samples import make_inputs
+from precompile.stages.resolve import resolve_model
 
 
 def median_ms(fn, repeats: int = 20) -> float:

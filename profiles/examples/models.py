@@ -33,7 +33,9 @@ class Block(nn.Module):
 class TextClassifier(nn.Module):
     """Token ids + attention mask → class logits, through a small transformer encoder."""
 
-    def __init__(self, vocab: int = 1000, width: int = 64, heads: int = 4, layers: int = 2, classes: int = 2, max_len: int = 512):
+    def __init__(
+        self, vocab: int = 1000, width: int = 64, heads: int = 4, layers: int = 2, classes: int = 2, max_len: int = 512
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.randn(max_len, width) * 0.02)

@@ -11,24 +11,37 @@ import transformers as T
 def bert(max_positions: int = 64) -> torch.nn.Module:
     """An encoder with a position table of ``max_positions`` rows and a token-type table of 2."""
     torch.manual_seed(0)
-    config = T.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                          intermediate_size=37, max_position_embeddings=max_positions)
+    config = T.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=max_positions,
+    )
     return T.BertModel(config)
 
 
 def gpt2(positions: int = 64) -> torch.nn.Module:
     """A decoder returning a ModelOutput with a cache in it; positions come from arange(seq)."""
     torch.manual_seed(0)
-    config = T.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=positions,
-                          bos_token_id=0, eos_token_id=0)
+    config = T.GPT2Config(
+        vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=positions, bos_token_id=0, eos_token_id=0
+    )
     return T.GPT2Model(config)
 
 
 def vit(image_size: int = 32) -> torch.nn.Module:
     """A vision model whose code fixes the image size from its config."""
     torch.manual_seed(0)
-    config = T.ViTConfig(image_size=image_size, patch_size=8, hidden_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, intermediate_size=37)
+    config = T.ViTConfig(
+        image_size=image_size,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+    )
     return T.ViTModel(config)
 
 

@@ -139,7 +139,6 @@ def scores() -> nn.Module:
     return Scores()
 
 
-
 class DiesInWorker(nn.Module):
     """Kills its own process with SIGKILL when run inside a build's compile worker (as the
     out-of-memory killer would); runs normally in the process that started the build."""

@@ -1,0 +1,242 @@
+"""The build pipeline: one profile through its stages into one artifact.
+
+    prepare   profile, traffic, plan, targets, resolve, batching  → BuildContext
+    compile   export and compile every unit (executors)            → CompiledUnits
+    finish    value ranges → tune → gate → assemble → check → measure → references → publish
+
+Each stage is a plain function in its own module under ``precompile.stages`` with a typed result;
+this module only runs them in order and reports each one to a Progress. The artifact is assembled in
+a staging folder and only published once it has been loaded through the real loader and every
+variant matched eager on its own shapes. ``precompile.shard`` runs the same stages split across hosts.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loader import constants as C
+from loader.manifest import Manifest, expires_problem
+
+from .analysis.value_ranges import with_value_ranges
+from .compare import CheckReport
+from .context import BuildContext
+from .cuda_targets import with_kernel_targets
+from .errors import PrecompileError
+from .executors import Executor, compile_units
+from .profile import load_profile
+from .progress import Progress
+from .stages.assemble import assemble_manifest, finish_manifest
+from .stages.batching import check_batching
+from .stages.check import Staged, check_artifact, check_policies, check_policy_outputs
+from .stages.gate import GateResult, gate_precisions
+from .stages.measure import StaticTiming, dropped_variants, measure_statics
+from .stages.plan import make_plan
+from .stages.quantize import quiet_third_party_warnings
+from .stages.references import write_references
+from .stages.resolve import resolve
+from .stages.targets import compile_tasks, cuda_info, expand_precisions, expand_targets, usable_targets
+from .stages.tune import Trial, describe, tune_variants
+from .traffic import read_distribution
+from .units import CompiledUnit, CompiledUnits, Plan
+from .write import publish, staging_folder
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    path: Path
+    manifest: Manifest
+    plan: Plan
+    check: CheckReport
+    seconds: dict[str, float] = field(default_factory=dict)  # compile time per variant
+    measured: tuple[StaticTiming, ...] = ()
+
+
+def build(
+    profile_path: str | Path,
+    output: str | Path | None = None,
+    *,
+    progress: Progress | None = None,
+    version: int = 1,
+    expires: str | None = None,
+    jobs: int | None = None,
+    executor: Executor | None = None,
+) -> BuildResult:
+    """Build the artifact a profile describes; return where it is, its plan and what was checked.
+
+    ``output`` defaults to ``artifacts/<name>``. ``version`` (increasing per release of a name) and
+    ``expires`` (ISO 8601 with a time zone) go into the manifest for the loader's rollback and
+    expiry checks. ``jobs`` variants compile at once (default: one per core); ``executor`` runs them
+    elsewhere (precompile.executors: ``executor_named("ray", address=...)``); a share of them on each
+    of several hosts is ``precompile.shard.build_part``. Raises a PrecompileError subclass for anything
+    the user can fix; on any failure nothing is left at ``output`` but what was there before.
+    """
+    progress = progress or Progress()
+    check_expires(expires)
+    ctx = prepare(profile_path, progress)
+    target = Path(output) if output is not None else Path("artifacts") / ctx.profile.name
+    staging = staging_folder(target)
+    try:
+        (staging / C.VARIANTS_DIR).mkdir()
+        tasks = compile_tasks(ctx.variants, ctx.candidates)
+        units = compile_units(ctx, tasks, staging, jobs=jobs, progress=progress, executor=executor)
+        return finish(ctx, units, staging, target, progress=progress, version=version, expires=expires)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def prepare(profile_path: str | Path, progress: Progress) -> BuildContext:
+    """The stages before compiling: the profile, its traffic and plan, the variants per target and
+    precision, the model run once in eager, and every check of the profile that needs no compiling."""
+    quiet_third_party_warnings()
+    with progress.stage("profile", str(profile_path)):
+        loaded = load_profile(profile_path)
+        traffic = read_distribution(loaded)
+        plan = make_plan(loaded, traffic)
+    profile = loaded.profile
+    devices = usable_targets(profile, progress)
+    cuda = cuda_info(profile) if "cuda" in devices else None
+    variants = expand_precisions(expand_targets(plan, devices, profile), profile)
+    with progress.stage("resolve", profile.model.factory):
+        resolved = resolve(loaded, plan.variants[-1].hint)
+        check_policy_outputs(loaded)
+        ctx = BuildContext(
+            loaded=loaded,
+            model=resolved.model,
+            traffic=traffic,
+            plan=plan,
+            devices=devices,
+            cuda=cuda,
+            variants=tuple(variants),
+            candidates=tuple(profile.compile.candidates()),
+            output=resolved.output,
+            output_dims=resolved.output_dims,
+        )
+        if any(vp.precision != "fp32" for vp in variants):
+            ctx.calibration  # noqa: B018 (a bad calibration file is the profile's error, before compiling)
+        # The batching claim against eager, before anything compiles.
+        return ctx.with_batching(check_batching(loaded, resolved.model))
+
+
+def finish(
+    ctx: BuildContext,
+    units: CompiledUnits,
+    staging: Path,
+    target: Path,
+    *,
+    progress: Progress,
+    version: int = 1,
+    expires: str | None = None,
+) -> BuildResult:
+    """The stages after compiling, on the packages in ``staging``; then publish it at ``target``."""
+    ctx = _value_ranges(ctx, units, progress)
+    tuned, trials = _tune(ctx, units, progress)
+    lower = [units.first(vp.id) for vp in ctx.variants if vp.precision != "fp32"]
+    seconds = {u.variant.id: u.seconds for u in [*tuned, *lower]}
+    kept, gates = _gate(ctx, [*tuned, *lower], progress)
+    records = {g.variant: g.to_dict() for g in gates}
+    ctx = ctx.with_cuda(with_kernel_targets(ctx.cuda, [u.package.path for u in kept if u.variant.device == "cuda"]))
+    with progress.stage("write", str(target)):
+        manifest = assemble_manifest(ctx, staging, kept, records)
+    with progress.stage("check", "compiled vs eager, every variant"):
+        staged = Staged(staging, target=manifest.target.device, lower_precisions=len(kept) > len(tuned))
+        report = check_artifact(
+            ctx.loaded, ctx.model, staged, [u.variant for u in kept if u.variant.precision == "fp32"]
+        )
+        check_policies(ctx.loaded, ctx.model, staged, report)
+    measured, paying = _measure(ctx, staged, kept, progress)
+    if len(paying) < len(kept):
+        kept, manifest = paying, assemble_manifest(ctx, staging, paying, records)
+    with progress.stage("write", "references and manifest"):
+        references = write_references(ctx.loaded, ctx.model, staging, [u.variant for u in kept])
+        check = _check_section(ctx, report, references, measured, trials, gates)
+        manifest = finish_manifest(ctx, staging, manifest, check=check, version=version, expires=expires)
+        publish(staging, target)
+    progress.note(
+        f"{target}: {len(manifest.variants)} variant(s), {report.shapes} shapes checked, "
+        f"max abs error {report.max_abs_error:.2e}"
+    )
+    return BuildResult(target, manifest, ctx.plan, report, seconds, tuple(measured))
+
+
+def _value_ranges(ctx: BuildContext, units: CompiledUnits, progress: Progress) -> BuildContext:
+    """The integer inputs' value ranges found in the exported graphs, as the profile's from now on."""
+    loaded, notes = with_value_ranges(ctx.loaded, units.tables)
+    for level, text in notes:
+        progress.note(f"[yellow]warning[/]: {text}" if level == "warning" else text)
+    return ctx.with_profile(loaded)
+
+
+def _tune(ctx: BuildContext, units: CompiledUnits, progress: Progress) -> tuple[list[CompiledUnit], tuple[Trial, ...]]:
+    """Per fp32 variant, its package: the fastest candidate that matches eager when tuning, else its only one."""
+    fp32 = [vp for vp in ctx.variants if vp.precision == "fp32"]
+    if not ctx.tuning:
+        return [units.first(vp.id) for vp in fp32], ()
+    with progress.stage("tune", f"{len(ctx.candidates)} option sets per variant, timed on its traffic"):
+        result = tune_variants(ctx.profile, ctx.model, fp32, units, ctx.candidates, ctx.traffic)
+    for vp in fp32:
+        progress.note(describe([t for t in result.trials if t.variant == vp.id]))
+    return list(result.kept), result.trials
+
+
+def _gate(
+    ctx: BuildContext, units: list[CompiledUnit], progress: Progress
+) -> tuple[list[CompiledUnit], tuple[GateResult, ...]]:
+    """The units the precision gate keeps (every fp32 one), and its results."""
+    lower = [u for u in units if u.variant.precision != "fp32"]
+    if not lower:
+        return units, ()
+    with progress.stage("gate", f"{len(lower)} bf16/int8 variant(s): accuracy against fp32 eager, speed against fp32"):
+        outcome = gate_precisions(ctx.profile, ctx.model, units, ctx.traffic, ctx.calibration)
+    for g in outcome.results:
+        progress.note(g.describe() if g.kept else f"[yellow]{g.describe()}[/]")
+    return list(outcome.kept), outcome.results
+
+
+def _measure(
+    ctx: BuildContext, staged: Staged, units: list[CompiledUnit], progress: Progress
+) -> tuple[list[StaticTiming], list[CompiledUnit]]:
+    """With ``plan.measure``, each static variant timed against its dynamic fallback; the units that
+    pay (a dropped unit's file is deleted, and its lower-precision twins' too)."""
+    if not (ctx.profile.plan.measure and any(vp.kind == "static" for vp in ctx.variants)):
+        return [], units
+    measured: list[StaticTiming] = []
+    with progress.stage("measure", f"static variants must be ≥ {ctx.profile.plan.min_speedup}× faster"):
+        for device in ctx.devices:
+            measured += measure_statics(staged.fp32(device), ctx.profile)
+    for m in measured:
+        progress.note(m.describe())
+    dropped = dropped_variants(measured, [u.variant for u in units])
+    for u in units:
+        if u.variant.id in dropped:
+            u.package.path.unlink()
+    return measured, [u for u in units if u.variant.id not in dropped]
+
+
+def _check_section(
+    ctx: BuildContext,
+    report: CheckReport,
+    references: list[dict[str, Any]],
+    measured: list[StaticTiming],
+    trials: tuple[Trial, ...],
+    gates: tuple[GateResult, ...],
+) -> dict[str, Any]:
+    """The manifest's ``check``: what was compared, measured, tuned and gated."""
+    return {
+        "shapes": report.shapes,
+        "max_abs_error": report.max_abs_error,
+        "references": references,
+        "measure": [m.to_dict() for m in measured],
+        "plan": ctx.plan.to_dict()["traffic"],
+        **({"tuning": [t.to_dict() for t in trials]} if trials else {}),
+        **({"precision": [dict(variant=g.variant, **g.to_dict()) for g in gates]} if gates else {}),
+    }
+
+
+def check_expires(expires: str | None) -> None:
+    """Refuse a malformed ``--expires`` before anything is built."""
+    problem = expires_problem(expires) if expires is not None else None
+    if problem is not None:
+        raise PrecompileError(f"--expires: {problem}")

@@ -1,0 +1,95 @@
+"""Stage compile: AOTInductor turns an exported program into a package with weights kept out.
+
+Inductor is asked to write the constants beside the code (``pickle_weights``) rather than inside the
+shared library; they are then taken out of the package, so that the artifact stores them once in
+``weights.safetensors`` for every variant and the loader memory-maps them. Reading them from the
+package, not from the module's state dict, gives exactly the tensors the compiled code asks for.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from loader.aoti import open_package
+
+from ..errors import CompileError
+from ..options import WEIGHTS_OUT, embeds_constants
+from ..units import CompiledPackage
+
+
+def compile_package(
+    ep: ExportedProgram, out: Path, options: dict[str, Any], *, device: str = "cpu", multi_arch: bool = False
+) -> CompiledPackage:
+    """Compile ``ep`` to ``out`` (a .pt2 path), take its constants out (as CPU tensors), return both.
+
+    For CUDA, ``multi_arch`` emits PTX beside the build GPU's SASS, so newer GPUs can run the kernels.
+    """
+    import torch._inductor  # build side only
+
+    embedded = embeds_constants(options, device)
+    configs = {**options} if embedded else {**options, **WEIGHTS_OUT}
+    if device == "cuda" and multi_arch:
+        configs["aot_inductor.emit_multi_arch_kernel"] = True
+    raw = out.with_suffix(".full.pt2")
+    try:
+        # Gradients off: Inductor's freezing (constant folding, weight prepacking) only applies to
+        # graphs compiled without them; serving never needs them.
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
+    except Exception as e:  # Inductor and the C++ toolchain raise many types
+        raise CompileError(f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
+    if embedded:
+        raw.replace(out)
+        constants = {}
+    else:
+        constants = _strip_weights(raw, out)
+        raw.unlink()
+    runner = open_package(str(out), device_index=0 if device == "cuda" else None)
+    missing = set(runner.get_constant_fqns()) - set(constants)
+    if missing and not embedded:
+        raise CompileError(f"the compiled code needs constants the package did not contain: {sorted(missing)}")
+    return CompiledPackage(out, constants, dict(runner.get_metadata()), embedded)
+
+
+def _strip_weights(src_path: Path, dst_path: Path) -> dict[str, torch.Tensor]:
+    """Copy the package without its weights; return the weights by constant name."""
+    constants: dict[str, torch.Tensor] = {}
+    with zipfile.ZipFile(src_path) as src:
+        names = src.namelist()
+        configs = [n for n in names if n.endswith("/weights_config.json")]
+        bases: dict[str, torch.Tensor] = {}
+        for cfg_name in configs:
+            root = cfg_name.split("/")[0]
+            for fqn, (file, shape, stride, offset) in json.loads(src.read(cfg_name)).items():
+                member = f"{root}/data/weights/{file}"
+                if member not in bases:
+                    bases[member] = torch.load(io.BytesIO(src.read(member)), weights_only=True, map_location="cpu")
+                if list(stride) != _contiguous_strides(shape):
+                    raise CompileError(
+                        f"constant {fqn!r} is laid out with strides {stride} for shape {shape}; precompile "
+                        "stores weights contiguously and cannot serve this layout"
+                    )
+                constants[fqn] = bases[member].as_strided(shape, stride, offset).detach().cpu().clone()
+        with zipfile.ZipFile(dst_path, "w", zipfile.ZIP_STORED) as dst:
+            for info in src.infolist():
+                if "/data/weights/" in info.filename or info.filename.endswith("/weights_config.json"):
+                    continue
+                dst.writestr(info, src.read(info.filename))
+    return constants
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]

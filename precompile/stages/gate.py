@@ -1,0 +1,212 @@
+"""Stage gate: a lower-precision variant (bf16, int8) is kept only when it is accurate and faster.
+
+Each is measured against fp32 eager on the calibration inputs (the profile's ``accuracy`` rule per
+output; integer outputs must be equal) and, when it passes, timed against its fp32 twin on the shapes
+the twin will serve, the twin and all its lower precisions in the same interleaved rounds so that
+their times compare (the loader ranks them by it). One that fails the rule or is not faster is
+dropped, with the reason printed. What was measured goes into the manifest (``Variant.gate``).
+
+    outcome = gate_precisions(profile, model, units, ctx.traffic, ctx.calibration)
+    outcome.kept, outcome.results      # the units kept; a GateResult per lower-precision unit
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from loader.errors import first_line
+from loader.outputs import flatten
+
+from ..calibration import Sample, fallback_inputs, inside
+from ..compare import agreement, passes, worst
+from ..profile import Profile
+from ..runners import Runner, Timer, open_candidate, run_eager, time_calls
+from ..samples import make_inputs
+from ..traffic import Shape, serving_shapes
+from ..units import CompiledPackage, CompiledUnit
+
+
+@dataclass
+class GateResult:
+    """One lower-precision variant measured against fp32: its accuracy per output and its speed."""
+
+    variant: str
+    precision: str
+    against: str  # the fp32 variant it was timed against
+    accuracy: list[dict[str, Any]] = field(default_factory=list)  # per output: metric, threshold, value
+    samples: int = 0
+    ms: float | None = None  # traffic-weighted mean of median ms per serving shape
+    fp32_ms: float | None = None
+    kept: bool = False
+    reason: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        return self.fp32_ms / self.ms if self.ms and self.fp32_ms else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "precision": self.precision,
+            "against": self.against,
+            "accuracy": self.accuracy,
+            "samples": self.samples,
+            "ms": self.ms,
+            "fp32_ms": self.fp32_ms,
+            "speedup": self.speedup,
+            "kept": self.kept,
+        }
+        if self.reason:
+            out["reason"] = self.reason
+        return {k: v for k, v in out.items() if v is not None}
+
+    def describe(self) -> str:
+        acc = ", ".join(f"out{a['output']} {a['metric']} {a['value']:.4g}" for a in self.accuracy)
+        speed = f"{self.ms:.3f} ms vs fp32 {self.fp32_ms:.3f} ms ({self.speedup:.2f}×)" if self.speedup else "not timed"
+        verdict = "kept" if self.kept else f"dropped: {self.reason}"
+        return f"{self.variant}: {acc}; {speed} → {verdict}"
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    kept: tuple[CompiledUnit, ...]  # every fp32 unit, and the lower-precision ones that passed
+    results: tuple[GateResult, ...]  # one per lower-precision unit, in the order given
+
+
+def gate_precisions(
+    profile: Profile,
+    model: torch.nn.Module,
+    units: Sequence[CompiledUnit],
+    traffic: dict[Shape, int],
+    calibration: Sequence[Sample],
+    *,
+    open_runner: Callable[[CompiledPackage, str], Runner] = open_candidate,
+    timer: Timer = time_calls,
+) -> GateOutcome:
+    """Measure every lower-precision unit against fp32 eager and its fp32 twin (see the module
+    docstring); return the units kept and the results. A dropped unit's file is deleted.
+    ``open_runner`` makes a package callable and ``timer`` times calls (tests hand in fakes)."""
+    by_id = {u.variant.id: u for u in units}
+    groups: dict[str, list[CompiledUnit]] = {}
+    for u in units:
+        if u.variant.precision != "fp32":
+            groups.setdefault(u.variant.base_id, []).append(u)
+    results: dict[str, GateResult] = {}
+    for base, group in groups.items():
+        twin = by_id[base]
+        timed = []  # (result, run) of those that passed the accuracy rule
+        for u in group:
+            result = results[u.variant.id] = GateResult(u.variant.id, u.variant.precision, twin.variant.id)
+            run = _check_accuracy(profile, model, u, calibration, result, open_runner)
+            if run is not None:
+                timed.append((result, run))
+        if timed:
+            shapes = serving_shapes(twin.variant, traffic, tuple(profile.dims))
+            _check_speed(profile, open_runner(twin.package, twin.variant.device), timed, shapes, timer)
+        for u in group:
+            results[u.variant.id].kept = not results[u.variant.id].reason
+            if not results[u.variant.id].kept:
+                u.package.path.unlink(missing_ok=True)
+    kept = tuple(u for u in units if u.variant.precision == "fp32" or results[u.variant.id].kept)
+    return GateOutcome(kept, tuple(results[u.variant.id] for u in units if u.variant.id in results))
+
+
+def _check_accuracy(
+    profile: Profile,
+    model: torch.nn.Module,
+    unit: CompiledUnit,
+    calibration: Sequence[Sample],
+    result: GateResult,
+    open_runner: Callable[[CompiledPackage, str], Runner],
+) -> Runner | None:
+    """The accuracy rule on the calibration samples inside the unit's ranges; the unit's runner when
+    it passed, else None with ``result.reason`` saying why."""
+    vp = unit.variant
+    samples = [s for s in calibration if inside(s[0], vp.ranges)] or fallback_inputs(profile, vp.ranges)
+    result.samples = len(samples)
+    try:
+        run = open_runner(unit.package, vp.device)
+        _measure_accuracy(profile, model, run, samples, result)
+    except RuntimeError as e:  # the compiled code failing on a calibration input
+        result.reason = f"failed to run: {first_line(e, limit=300)}"
+        return None
+    failing = [a for a in result.accuracy if not a["passed"]]
+    if failing:
+        result.reason = (
+            "; ".join(
+                f"output {a['output']}: {a['metric']} {a['value']:.4g} {'>' if a['metric'] == 'max_abs' else '<'} {a['threshold']}"
+                for a in failing
+            )
+            + " (accuracy gate)"
+        )
+        return None
+    return run
+
+
+def _check_speed(
+    profile: Profile,
+    twin: Runner,
+    timed: list[tuple[GateResult, Runner]],
+    shapes: list[tuple[dict[str, int], float]],
+    timer: Timer,
+) -> None:
+    """Time the twin and the units that passed in the same interleaved rounds; a unit not fast enough
+    (``accuracy.min_speedup``) gets its reason."""
+    try:
+        fp32_ms, *ms = _time_together(profile, [twin] + [run for _, run in timed], shapes, timer)
+    except RuntimeError as e:
+        for result, _ in timed:
+            result.reason = f"failed to run: {first_line(e, limit=300)}"
+        return
+    wanted = profile.accuracy.min_speedup
+    for (result, _), mine in zip(timed, ms):
+        result.ms, result.fp32_ms = mine, fp32_ms
+        if not _fast_enough(result.speedup, wanted):
+            what = "faster than fp32" if wanted == 1.0 else f"{wanted}× fp32's speed"
+            result.reason = f"not {what} ({result.ms:.3f} vs {result.fp32_ms:.3f} ms, accuracy.min_speedup)"
+
+
+def _fast_enough(speedup: float, wanted: float) -> bool:
+    """1.0 (the default) means strictly faster; another value, at least that."""
+    return speedup > 1.0 if wanted == 1.0 else speedup >= wanted
+
+
+def _measure_accuracy(
+    profile: Profile, model: torch.nn.Module, run: Runner, samples: Sequence[Sample], result: GateResult
+) -> None:
+    """Each output's metric over all samples (its worst value); integer outputs must be equal."""
+    values: dict[int, list[float]] = {}
+    floating: dict[int, bool] = {}
+    for _, args in samples:
+        want = flatten(run_eager(model, args))
+        got = run(*args)
+        for i, (w, g) in enumerate(zip(want, got)):
+            floating[i] = w.is_floating_point()
+            if floating[i]:
+                values.setdefault(i, []).append(agreement(profile.accuracy.rule(i), w, g))
+            else:
+                values.setdefault(i, []).append(float(torch.equal(w, g.cpu())))
+    for i, vals in sorted(values.items()):
+        rule = profile.accuracy.rule(i)
+        if not floating[i]:
+            entry = {"metric": "equal", "threshold": 1.0, "value": min(vals), "passed": min(vals) == 1.0}
+        else:
+            value = worst(rule, vals)
+            entry = {"metric": rule.metric, "threshold": rule.threshold, "value": value, "passed": passes(rule, value)}
+        result.accuracy.append({"output": i, **entry})
+
+
+def _time_together(
+    profile: Profile, runs: list[Runner], shapes: list[tuple[dict[str, int], float]], timer: Timer
+) -> list[float]:
+    """Traffic-weighted mean of the median ms per shape of each of ``runs``, timed in alternating
+    rounds so that a change in the machine's load hits all of them alike."""
+    totals = [0.0] * len(runs)
+    for i, (sizes, weight) in enumerate(shapes):
+        args = make_inputs(profile, sizes, seed=profile.check.seed + 49979687 + i)
+        for k, ms in enumerate(timer(*[lambda run=run: run(*args) for run in runs])):
+            totals[k] += weight * ms
+    return totals
