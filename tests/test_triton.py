@@ -42,7 +42,7 @@ def export(*args: str):
 def repo(tagger_build, structured_artifact, tmp_path_factory) -> Path:
     """The tagger as versions 1, 2 and 3 (a pack), and the structured model (dict and tuple outputs,
     one of them a number per row), in one repository."""
-    from precompile.ship import pack
+    from precompile.ship.pack import pack
 
     folder = tmp_path_factory.mktemp("triton")
     tagger_v2 = artifact_version(tagger_build.path, folder / "tagger-v2", 2)
