@@ -180,9 +180,28 @@ def median_of(repeats: int, run: Callable[[int], float]) -> float:
 def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transfer, cold start) against `rclone serve s3` on loopback."""
     from loader import remote
+    from tests.test_remote import BUCKET, S3Server
+
+    packed = heavy_pack(work, mb)
+    size_mb = packed.stat().st_size / 1e6
+    print(f"  pack: {size_mb:.1f} MB", flush=True)
+    env = store_credentials(work)
+    os.environ.update(env)
+    os.environ.pop("AWS_PROFILE", None)
+    server = S3Server(work / "store")
+    os.environ[remote.ENDPOINT_ENV] = server.endpoint
+    try:
+        transfer = {"pack_mb": round(size_mb, 1), **transfer_rows(work, packed, size_mb, repeats)}
+        url = f"s3://{BUCKET}/push-0/heavy/1.tar.zst"  # pushed by transfer_rows
+        cold = cold_start_rows(work, url, {**os.environ, **env, remote.ENDPOINT_ENV: server.endpoint}, repeats)
+    finally:
+        server.stop()
+    return transfer, cold
+
+
+def heavy_pack(work: Path, mb: int) -> Path:
+    """Build the model of about ``mb`` MB of weights (HEAVY_MODEL) in a fresh process and pack it."""
     from precompile.ship.pack import pack
-    from precompile.ship.remote import pull, push
-    from tests.test_remote import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
 
     folder = work / "heavy"
     folder.mkdir()
@@ -190,93 +209,100 @@ def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[
     rows_per_mb = (1 << 20) // (256 * 4)
     (folder / "profile.yaml").write_text(textwrap.dedent(HEAVY_PROFILE.format(rows=mb * rows_per_mb)))
     precompile("build", str(folder / "profile.yaml"), "-o", str(folder / "artifact"), "--jobs", "1")
-    packed = pack(folder / "artifact", work / "heavy.tar.zst")
-    size = packed.stat().st_size
-    size_mb = size / 1e6
-    print(f"  pack: {size_mb:.1f} MB", flush=True)
+    return pack(folder / "artifact", work / "heavy.tar.zst")
 
-    env = {
+
+def store_credentials(work: Path) -> dict[str, str]:
+    """The test store's keys, and AWS config files that do not exist, so that nothing on this machine
+    (a ~/.aws profile) changes what the figures measure."""
+    from tests.test_remote import ACCESS_KEY, SECRET_KEY
+
+    return {
         "AWS_ACCESS_KEY_ID": ACCESS_KEY,
         "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_CONFIG_FILE": str(work / "no-aws-config"),
         "AWS_SHARED_CREDENTIALS_FILE": str(work / "no-aws-credentials"),
     }
-    os.environ.update(env)
-    os.environ.pop("AWS_PROFILE", None)
-    server = S3Server(work / "store")
-    os.environ[remote.ENDPOINT_ENV] = server.endpoint
-    transfer: dict[str, Any] = {"pack_mb": round(size_mb, 1)}
+
+
+def transfer_rows(work: Path, packed: Path, size_mb: float, repeats: int) -> dict[str, Any]:
+    """The pack copied, put and got raw, pushed and pulled: the median seconds and MB/s of each.
+    Leaves ``push-0`` in the store, which the cold-start rows load."""
+    from loader import remote
+    from precompile.ship.remote import pull, push
+    from tests.test_remote import BUCKET
+
+    def copy(i: int) -> float:
+        start = time.perf_counter()
+        shutil.copyfile(packed, work / f"copy-{i}.tar.zst")
+        return time.perf_counter() - start
+
+    def raw_put(i: int) -> float:
+        fs, path = remote.filesystem(f"s3://{BUCKET}/raw/{i}.tar.zst")
+        start = time.perf_counter()
+        fs.put_file(str(packed), path)
+        return time.perf_counter() - start
+
+    def raw_get(i: int) -> float:
+        fs, path = remote.filesystem(f"s3://{BUCKET}/raw/{i}.tar.zst")
+        start = time.perf_counter()
+        fs.get_file(path, str(work / f"raw-{i}.tar.zst"))
+        return time.perf_counter() - start
+
+    def push_one(i: int) -> float:
+        start = time.perf_counter()
+        push(packed, f"s3://{BUCKET}/push-{i}")  # a fresh store each time: a second push is a no-op
+        return time.perf_counter() - start
+
+    def pull_one(i: int) -> float:
+        start = time.perf_counter()
+        pull(f"s3://{BUCKET}/push-{i}/heavy", output=work / f"pulled-{i}.tar.zst")
+        return time.perf_counter() - start
+
+    rows: dict[str, Any] = {}
+    for name, run in [
+        ("file copy", copy),
+        ("s3 put (raw)", raw_put),
+        ("s3 get (raw)", raw_get),
+        ("precompile push", push_one),
+        ("precompile pull", pull_one),
+    ]:
+        seconds = median_of(repeats, run)
+        rows[name] = {"seconds": round(seconds, 3), "MB_per_s": round(size_mb / seconds, 1)}
+        print(f"  {name:<18} {seconds:7.2f} s  {size_mb / seconds:8.1f} MB/s", flush=True)
+    return rows
+
+
+def cold_start_rows(work: Path, url: str, child_env: dict[str, str], repeats: int) -> dict[str, Any]:
+    """``loader.load(url)`` in a fresh process (COLD_CHILD), first with an empty cache and then with
+    that cache again: the median of each figure the child reports."""
+
+    def load(cache: Path) -> dict[str, float]:
+        done = subprocess.run(
+            [sys.executable, "-c", COLD_CHILD, url],
+            capture_output=True,
+            text=True,
+            env={**child_env, "PRECOMPILE_CACHE": str(cache)},
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"cold start failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    firsts, cached = [], []
+    for i in range(repeats):
+        cache = work / f"cache-{i}"
+        firsts.append(load(cache))
+        cached.append(load(cache))
     cold: dict[str, Any] = {}
-    try:
-
-        def copy(i: int) -> float:
-            start = time.perf_counter()
-            shutil.copyfile(packed, work / f"copy-{i}.tar.zst")
-            return time.perf_counter() - start
-
-        def raw_put(i: int) -> float:
-            fs, path = remote.filesystem(f"s3://{BUCKET}/raw/{i}.tar.zst")
-            start = time.perf_counter()
-            fs.put_file(str(packed), path)
-            return time.perf_counter() - start
-
-        def raw_get(i: int) -> float:
-            fs, path = remote.filesystem(f"s3://{BUCKET}/raw/{i}.tar.zst")
-            start = time.perf_counter()
-            fs.get_file(path, str(work / f"raw-{i}.tar.zst"))
-            return time.perf_counter() - start
-
-        def push_one(i: int) -> float:
-            start = time.perf_counter()
-            push(packed, f"s3://{BUCKET}/push-{i}")  # a fresh store each time: a second push is a no-op
-            return time.perf_counter() - start
-
-        def pull_one(i: int) -> float:
-            start = time.perf_counter()
-            pull(f"s3://{BUCKET}/push-{i}/heavy", output=work / f"pulled-{i}.tar.zst")
-            return time.perf_counter() - start
-
-        for name, run in [
-            ("file copy", copy),
-            ("s3 put (raw)", raw_put),
-            ("s3 get (raw)", raw_get),
-            ("precompile push", push_one),
-            ("precompile pull", pull_one),
-        ]:
-            seconds = median_of(repeats, run)
-            transfer[name] = {"seconds": round(seconds, 3), "MB_per_s": round(size_mb / seconds, 1)}
-            print(f"  {name:<18} {seconds:7.2f} s  {size_mb / seconds:8.1f} MB/s", flush=True)
-
-        url = f"s3://{BUCKET}/push-0/heavy/1.tar.zst"
-        child_env = {**os.environ, **env, remote.ENDPOINT_ENV: server.endpoint}
-
-        def load(cache: Path) -> dict[str, float]:
-            done = subprocess.run(
-                [sys.executable, "-c", COLD_CHILD, url],
-                capture_output=True,
-                text=True,
-                env={**child_env, "PRECOMPILE_CACHE": str(cache)},
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"cold start failed:\n{done.stderr[-3000:]}")
-            return json.loads(done.stdout.strip().splitlines()[-1])
-
-        firsts, cached = [], []
-        for i in range(repeats):
-            cache = work / f"cache-{i}"
-            firsts.append(load(cache))
-            cached.append(load(cache))
-        for name, runs in [("first load", firsts), ("cached", cached)]:
-            cold[name] = {key: round(statistics.median(r[key] for r in runs), 3) for key in runs[0]}
-            row = cold[name]
-            print(
-                f"  cold start {name:<11} load {row['load_s']:6.2f} s, first call {row['first_call_s']:6.3f} s, process {row['total_s']:6.2f} s",
-                flush=True,
-            )
-    finally:
-        server.stop()
-    return transfer, cold
+    for name, runs in [("first load", firsts), ("cached", cached)]:
+        cold[name] = {key: round(statistics.median(r[key] for r in runs), 3) for key in runs[0]}
+        row = cold[name]
+        print(
+            f"  cold start {name:<11} load {row['load_s']:6.2f} s, first call {row['first_call_s']:6.3f} s, process {row['total_s']:6.2f} s",
+            flush=True,
+        )
+    return cold
 
 
 def main() -> None:

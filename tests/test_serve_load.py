@@ -291,7 +291,7 @@ def serve_command(artifact: Path, *options: str, log: Path | None = None):
 def test_workers_answer_without_the_delayed_ack_wait(classifier_artifact):
     """`precompile serve --workers 2`: every worker turns Nagle's algorithm off on its connections.
     Without it, each response waited for the client's delayed ACK: 44 ms per GET /healthz on
-    loopback, against well under 1 ms (precompile.serve.protocol)."""
+    loopback, against well under 1 ms (precompile.serve.nodelay)."""
     import http.client
 
     with serve_command(classifier_artifact, "--workers", "2") as port:

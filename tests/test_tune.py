@@ -4,6 +4,7 @@ the fastest that matches eager kept; frozen (oneDNN-prepacked) variants carry th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -91,7 +92,8 @@ def test_choose_skips_failed_candidates_and_says_why_when_none_is_left():
         Trial("v", 1, {"freezing": True}, ms=1.0),
         Trial("v", 2, {"x": 1}, error="boom"),
     ]
-    assert choose(trials).candidate == 1 and trials[1].kept and not trials[0].kept
+    best = choose(trials)
+    assert best.candidate == 1 and best.kept and best == replace(trials[1], kept=True) and not trials[0].kept
     with pytest.raises(CheckError, match="no tuning candidate compiled and matched eager.*boom"):
         choose([Trial("v", 0, {}, error="boom")])
 

@@ -269,8 +269,28 @@ def _draft_export(loaded: LoadedProfile, model, ranges, hint, max_seconds: float
 
 
 def _read_export(loaded: LoadedProfile, ep, ranges, report: DoctorReport) -> None:
-    profile = loaded.profile
-    shapes = [list(spec.shape) for spec in profile.inputs.values()]
+    """Everything the exported program says against the profile, in this order: what torch.export's
+    report found, dims it specialized, ranges it proved, tables that bound a dim, ops without a kernel.
+    The order matters: a dim already reported fixed by a guard is not reported again as specialized."""
+    shapes = [list(spec.shape) for spec in loaded.profile.inputs.values()]
+    _export_report_findings(loaded, ep, report)
+    _specialized_dim_findings(loaded, ep, ranges, report)
+    _proven_range_findings(loaded, ep, ranges, report)
+    for place, message in dim_bound_problems(ep, shapes, ranges):
+        text, _, fix = message.partition("; set ")
+        report.add(Finding("error", place, text, fix=("set " + fix) if fix else ""))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fallbacks = fallback_ops(ep)
+    if fallbacks:
+        listed = ", ".join(f"{op} ×{n}" for op, n in sorted(fallbacks.items()))
+        report.add(Finding("note", "ops", f"without an Inductor kernel (the compiled code calls aten's own): {listed}"))
+
+
+def _export_report_findings(loaded: LoadedProfile, ep, report: DoctorReport) -> None:
+    """The failures non-strict torch.export recorded in its draft report (``ep._report``), each with
+    the user's line: guards it added on sizes, branches on tensor values, custom ops without a
+    (right) fake kernel."""
     draft = getattr(ep, "_report", None)
     files = getattr(draft, "str_to_filename", {}) if draft is not None else {}
     for failure in getattr(draft, "failures", []) if draft is not None else []:
@@ -307,7 +327,12 @@ def _read_export(loaded: LoadedProfile, ep, ranges, report: DoctorReport) -> Non
                     fix="register one with torch.library.register_fake, computing the output shapes from the inputs'",
                 )
             )
-    names = _dims_of(loaded, ep)
+
+
+def _specialized_dim_findings(loaded: LoadedProfile, ep, ranges, report: DoctorReport) -> None:
+    """A declared dynamic axis that the exported program holds as a number: the model fixes that dim
+    (unless a guard finding already said so)."""
+    profile = loaded.profile
     for (n, a), d in _declared_axes(loaded).items():
         size = input_axes(ep)[list(profile.inputs).index(n)][a]
         lo, hi = ranges[d]
@@ -321,6 +346,12 @@ def _read_export(loaded: LoadedProfile, ep, ranges, report: DoctorReport) -> Non
                     fix=f"write {size} for {d} in the input shapes (a static size), or change the code that needs it exact",
                 )
             )
+
+
+def _proven_range_findings(loaded: LoadedProfile, ep, ranges, report: DoctorReport) -> None:
+    """A dim whose range torch.export proved narrower than the profile declares (below 2 is not
+    counted: export always proves ≥ 2, since it specializes 0 and 1)."""
+    names = _dims_of(loaded, ep)
     for sym, (lo, hi) in symbol_ranges(ep).items():
         d = names.get(sym)
         if d is None or d not in ranges:
@@ -343,15 +374,6 @@ def _read_export(loaded: LoadedProfile, ep, ranges, report: DoctorReport) -> Non
                     fix=f"set dims.{d}.min to {lo}",
                 )
             )
-    for place, message in dim_bound_problems(ep, shapes, ranges):
-        text, _, fix = message.partition("; set ")
-        report.add(Finding("error", place, text, fix=("set " + fix) if fix else ""))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fallbacks = fallback_ops(ep)
-    if fallbacks:
-        listed = ", ".join(f"{op} ×{n}" for op, n in sorted(fallbacks.items()))
-        report.add(Finding("note", "ops", f"without an Inductor kernel (the compiled code calls aten's own): {listed}"))
 
 
 def _declared_axes(loaded: LoadedProfile) -> dict[tuple[str, int], str]:
@@ -386,7 +408,9 @@ def _symbol_dims(loaded: LoadedProfile, sources: dict[str, str]) -> dict[str, st
 
 
 def _guard_finding(loaded: LoadedProfile, expr: str, dims: dict[str, str], where: str, report: DoctorReport) -> None:
-    """One guard torch added, in the profile's terms, when it narrows what the profile declares."""
+    """One guard torch added, in the profile's terms, when it narrows what the profile declares.
+    Each form a guard takes (a fixed size, a bound, a multiple, two dims equal) has its own reader
+    below; any other guard is reported as the assumption it is."""
     profile = loaded.profile
     if expr.startswith("Ne("):  # "not equal" guards exclude single sizes (0, 1, a coincidence), not ranges
         return
@@ -396,78 +420,94 @@ def _guard_finding(loaded: LoadedProfile, expr: str, dims: dict[str, str], where
         return
     d = dims[syms[0]]
     lo, hi = profile.dims[d].min, profile.dims[d].max
-    m = re.fullmatch(r"Eq\((\w+), (\d+)\)", expr) or re.fullmatch(r"Eq\((\d+), (\w+)\)", expr)
-    if m:
+    if m := re.fullmatch(r"Eq\((\w+), (\d+)\)", expr) or re.fullmatch(r"Eq\((\d+), (\w+)\)", expr):
         value = int(m.group(2) if m.group(2).isdigit() else m.group(1))
-        if lo != hi:
-            report.add(
-                Finding(
-                    "error",
-                    f"dims.{d}",
-                    f"the model fixes {d} to {value} (torch.export: {named})",
-                    source=where,
-                    fix=f"write {value} for {d} in the input shapes (a static size), or change that line so any {d} works",
-                )
-            )
-        return
-    m = re.fullmatch(r"(\w+) (<=|<|>=|>) (\d+)", expr)
-    if m and m.group(1) in dims:
-        op, value = m.group(2), int(m.group(3))
-        top = value if op == "<=" else value - 1 if op == "<" else None
-        bottom = value if op == ">=" else value + 1 if op == ">" else None
-        if top is not None and top < hi:
-            report.add(
-                Finding(
-                    "error",
-                    f"dims.{d}",
-                    f"the model serves {d} ≤ {top}, the profile declares max {hi}",
-                    source=where,
-                    fix=f"set dims.{d}.max to {top}",
-                )
-            )
-        if bottom is not None and bottom > max(lo, 2):
-            report.add(
-                Finding(
-                    "error",
-                    f"dims.{d}",
-                    f"the model needs {d} ≥ {bottom}, the profile declares min {lo}",
-                    source=where,
-                    fix=f"set dims.{d}.min to {bottom}",
-                )
-            )
-        return
-    m = re.search(r"Mod\((\w+), (\d+)\)", expr)
-    if m and m.group(1) in dims:
-        report.add(
+        findings = _fixed_size_findings(d, value, lo, hi, named, where)
+    elif (m := re.fullmatch(r"(\w+) (<=|<|>=|>) (\d+)", expr)) and m.group(1) in dims:
+        findings = _bound_findings(d, m.group(2), int(m.group(3)), lo, hi, where)
+    elif (m := re.search(r"Mod\((\w+), (\d+)\)", expr)) and m.group(1) in dims:
+        findings = [_multiple_finding(d, m.group(2), named, where)]
+    elif (m := re.fullmatch(r"Eq\((\w+), (\w+)\)", expr)) and all(x in dims for x in m.groups()):
+        findings = _equal_dims_findings(dims[m.group(1)], dims[m.group(2)], where)
+    else:
+        findings = [
             Finding(
                 "error",
                 f"dims.{d}",
-                f"the model needs {d} to be a multiple of {m.group(2)} (torch.export: {named})",
+                f"the model's code assumes {named}",
                 source=where,
-                fix=f"serve only such sizes as static ones, or pad {d} to a multiple of {m.group(2)} inside the model",
+                fix=f"narrow dims.{d} to sizes where this holds, or change that line",
             )
-        )
-        return
-    m = re.fullmatch(r"Eq\((\w+), (\w+)\)", expr)
-    if m and all(x in dims for x in m.groups()):
-        a, b = dims[m.group(1)], dims[m.group(2)]
-        if a != b:
-            report.add(
-                Finding(
-                    "error",
-                    f"dims.{b}",
-                    f"the model needs {a} == {b}",
-                    source=where,
-                    fix=f"use one dim name for both axes (replace {b} with {a} in the input shapes)",
-                )
-            )
-        return
-    report.add(
+        ]
+    for finding in findings:
+        report.add(finding)
+
+
+def _fixed_size_findings(d: str, value: int, lo: int, hi: int, named: str, where: str) -> list[Finding]:
+    """``Eq(s, 7)``: the model fixes the dim to one size, a finding unless the profile declares just that."""
+    if lo == hi:
+        return []
+    return [
         Finding(
             "error",
             f"dims.{d}",
-            f"the model's code assumes {named}",
+            f"the model fixes {d} to {value} (torch.export: {named})",
             source=where,
-            fix=f"narrow dims.{d} to sizes where this holds, or change that line",
+            fix=f"write {value} for {d} in the input shapes (a static size), or change that line so any {d} works",
         )
+    ]
+
+
+def _bound_findings(d: str, op: str, value: int, lo: int, hi: int, where: str) -> list[Finding]:
+    """``s <= 512`` and the like: a finding where the bound cuts into the declared range (a lower
+    bound of 2 or less is no news: export always proves ≥ 2)."""
+    top = value if op == "<=" else value - 1 if op == "<" else None
+    bottom = value if op == ">=" else value + 1 if op == ">" else None
+    findings = []
+    if top is not None and top < hi:
+        findings.append(
+            Finding(
+                "error",
+                f"dims.{d}",
+                f"the model serves {d} ≤ {top}, the profile declares max {hi}",
+                source=where,
+                fix=f"set dims.{d}.max to {top}",
+            )
+        )
+    if bottom is not None and bottom > max(lo, 2):
+        findings.append(
+            Finding(
+                "error",
+                f"dims.{d}",
+                f"the model needs {d} ≥ {bottom}, the profile declares min {lo}",
+                source=where,
+                fix=f"set dims.{d}.min to {bottom}",
+            )
+        )
+    return findings
+
+
+def _multiple_finding(d: str, step: str, named: str, where: str) -> Finding:
+    """``Mod(s, 8)``: the model needs the dim to be a multiple of ``step``."""
+    return Finding(
+        "error",
+        f"dims.{d}",
+        f"the model needs {d} to be a multiple of {step} (torch.export: {named})",
+        source=where,
+        fix=f"serve only such sizes as static ones, or pad {d} to a multiple of {step} inside the model",
     )
+
+
+def _equal_dims_findings(a: str, b: str, where: str) -> list[Finding]:
+    """``Eq(s1, s2)``: two profile dims the model needs equal, a finding unless they are one dim already."""
+    if a == b:
+        return []
+    return [
+        Finding(
+            "error",
+            f"dims.{b}",
+            f"the model needs {a} == {b}",
+            source=where,
+            fix=f"use one dim name for both axes (replace {b} with {a} in the input shapes)",
+        )
+    ]

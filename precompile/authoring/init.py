@@ -166,32 +166,11 @@ def init_profile(
     progress = progress or Progress()
     if not calls:
         raise InitError("give at least one --example call (two or more with different sizes make dims dynamic)")
-    names = list(calls[0].shapes)
-    for i, c in enumerate(calls[1:], 2):
-        if set(c.shapes) != set(names):
-            raise InitError(
-                f"example call {i} has inputs {sorted(c.shapes)}, call 1 has {sorted(names)}: every call needs the same inputs"
-            )
-        for n in names:
-            if len(c.shapes[n]) != len(calls[0].shapes[n]) or c.dtypes[n] != calls[0].dtypes[n]:
-                raise InitError(
-                    f"input {n!r}: call {i} is {_fmt(c, n)}, call 1 is {_fmt(calls[0], n)}: ranks and dtypes must agree"
-                )
+    names = _same_inputs(calls)
     profile_name = name or re.sub(r"[^a-z0-9._-]+", "-", factory.rpartition(":")[2].lower()).strip("-._") or "model"
     draft = _draft(profile_name, factory, kwargs or {}, calls[0], names, None, output)
     with progress.stage("resolve", factory):
-        try:
-            inner = resolve_model(draft)
-        except ProfileError as e:
-            folder = output.resolve().parent
-            if folder != Path.cwd().resolve() and any("cannot import" in m for _, m in e.problems):
-                hint = (
-                    f"the module is imported from the folder the profile is written to ({folder}), as build will: "
-                    "write the profile beside the module (-o), or make the module importable (PYTHONPATH)"
-                )
-                raise ProfileError(e.source, [*e.problems, ("model.factory", hint)]) from None
-            raise
-        inner = inner.model if hasattr(inner, "names") else inner
+        inner = _import_model(draft, output)
         names = _forward_order(inner, names)
         draft = _draft(profile_name, factory, kwargs or {}, calls[0], names, None, output)
         probe = adapt(inner, names, None)
@@ -202,28 +181,13 @@ def init_profile(
     varying = {
         (n, a) for n in names for a in range(len(calls[0].shapes[n])) if len({c.shapes[n][a] for c in calls}) > 1
     }
-    notes: list[str] = []
-    working = [calls[0]]
     with progress.stage("eager", f"forward() on {min(len(calls), 16)} example call(s)"):
-        for i, c in enumerate(calls[1:16], 2):
-            try:
-                _eager(model, _sample(c, names, {}, seed=i), f"example call {i}")
-                working.append(c)
-            except ModelError as e:
-                notes.append(f"{e}; the profile serves what the model can")
+        working, notes = _working_calls(model, calls, names)
     example = _export_example(working, names, varying)
     with progress.stage("export", f"{len(varying)} varying axis/axes, torch.export with Dim.AUTO"):
         ep, log = _export(model, _sample(example, names, {}), names, varying)
     axes = dict(zip(names, input_axes(ep)))
-    for n, a in sorted(varying):
-        if isinstance(axes[n][a], int):
-            sizes = sorted({c.shapes[n][a] for c in calls})
-            guard = next((g for g in log.guards if re.search(rf"Eq\(\w+, {axes[n][a]}\)", g.expr)), None)
-            where = f" ({guard.where})" if guard and guard.where else ""
-            notes.append(
-                f"inputs.{n}.shape[{a}]: the examples have sizes {sizes}, but the model fixes it to {axes[n][a]}{where}: "
-                f"written as the static size {axes[n][a]}"
-            )
+    notes += _fixed_axis_notes(calls, varying, axes, log)
     dims = _dims(calls, names, varying, axes, ep, log)
     tables = _index_ranges(ep, draft)
     ranges = {n: tables.get(n) or _guess_range(n, calls[0].dtypes[n]) for n in names}
@@ -241,6 +205,71 @@ def init_profile(
 
 def _fmt(c: Call, n: str) -> str:
     return "x".join(map(str, c.shapes[n])) + f":{c.dtypes[n]}"
+
+
+def _same_inputs(calls: list[Call]) -> list[str]:
+    """The input names of call 1; an InitError unless every call has the same inputs with the same
+    ranks and dtypes, since one profile has to serve them all."""
+    names = list(calls[0].shapes)
+    for i, c in enumerate(calls[1:], 2):
+        if set(c.shapes) != set(names):
+            raise InitError(
+                f"example call {i} has inputs {sorted(c.shapes)}, call 1 has {sorted(names)}: every call needs the same inputs"
+            )
+        for n in names:
+            if len(c.shapes[n]) != len(calls[0].shapes[n]) or c.dtypes[n] != calls[0].dtypes[n]:
+                raise InitError(
+                    f"input {n!r}: call {i} is {_fmt(c, n)}, call 1 is {_fmt(calls[0], n)}: ranks and dtypes must agree"
+                )
+    return names
+
+
+def _import_model(draft: LoadedProfile, output: Path) -> torch.nn.Module:
+    """The draft's model (unwrapped when resolve gives a named-inputs adapter). A module that does not
+    import gets a hint when the profile goes to another folder than the current one: build imports
+    from the profile's folder, so that is where init looks too."""
+    try:
+        inner = resolve_model(draft)
+    except ProfileError as e:
+        folder = output.resolve().parent
+        if folder != Path.cwd().resolve() and any("cannot import" in m for _, m in e.problems):
+            hint = (
+                f"the module is imported from the folder the profile is written to ({folder}), as build will: "
+                "write the profile beside the module (-o), or make the module importable (PYTHONPATH)"
+            )
+            raise ProfileError(e.source, [*e.problems, ("model.factory", hint)]) from None
+        raise
+    return inner.model if hasattr(inner, "names") else inner
+
+
+def _working_calls(model: torch.nn.Module, calls: list[Call], names: list[str]) -> tuple[list[Call], list[str]]:
+    """The example calls eager forward() runs (call 1, which already ran, and up to 15 more), and a
+    note for each one it fails: export and the profile then follow only what the model can serve."""
+    notes: list[str] = []
+    working = [calls[0]]
+    for i, c in enumerate(calls[1:16], 2):
+        try:
+            _eager(model, _sample(c, names, {}, seed=i), f"example call {i}")
+            working.append(c)
+        except ModelError as e:
+            notes.append(f"{e}; the profile serves what the model can")
+    return working, notes
+
+
+def _fixed_axis_notes(calls: list[Call], varying: set, axes: dict, log) -> list[str]:
+    """A note per axis whose size differs between the examples but that torch.export fixed (with the
+    line that fixed it, when a guard names it): the profile writes it static, and the user should know."""
+    notes = []
+    for n, a in sorted(varying):
+        if isinstance(axes[n][a], int):
+            sizes = sorted({c.shapes[n][a] for c in calls})
+            guard = next((g for g in log.guards if re.search(rf"Eq\(\w+, {axes[n][a]}\)", g.expr)), None)
+            where = f" ({guard.where})" if guard and guard.where else ""
+            notes.append(
+                f"inputs.{n}.shape[{a}]: the examples have sizes {sizes}, but the model fixes it to {axes[n][a]}{where}: "
+                f"written as the static size {axes[n][a]}"
+            )
+    return notes
 
 
 def _draft(name: str, factory: str, kwargs: dict, call: Call, names: list[str], keep, output: Path) -> LoadedProfile:

@@ -52,8 +52,8 @@ def reexec_with(env: dict[str, str]) -> None:
     os.execve(sys.executable, list(sys.orig_argv), {**os.environ, **env, REEXEC_MARK: "1"})
 
 
-# uvicorn's HTTP protocol with TCP_NODELAY on each connection (see precompile.serve.protocol).
-HTTP_PROTOCOL = "precompile.serve.protocol:NoDelayHTTPProtocol"
+# uvicorn's HTTP protocol with TCP_NODELAY on each connection (see precompile.serve.nodelay).
+HTTP_PROTOCOL = "precompile.serve.nodelay:NoDelayHTTPProtocol"
 
 
 def run(

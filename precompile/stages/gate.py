@@ -13,7 +13,7 @@ dropped, with the reason printed. What was measured goes into the manifest (``Va
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from ..traffic import Shape, serving_shapes
 from ..units import CompiledPackage, CompiledUnit
 
 
-@dataclass
+@dataclass(frozen=True)
 class GateResult:
     """One lower-precision variant measured against fp32: its accuracy per output and its speed."""
 
@@ -97,18 +97,16 @@ def gate_precisions(
     results: dict[str, GateResult] = {}
     for base, group in groups.items():
         twin = by_id[base]
-        timed = []  # (result, run) of those that passed the accuracy rule
-        for u in group:
-            result = results[u.variant.id] = GateResult(u.variant.id, u.variant.precision, twin.variant.id)
-            run = _check_accuracy(profile, model, u, calibration, result, open_runner)
-            if run is not None:
-                timed.append((result, run))
+        checked = [_check_accuracy(profile, model, u, twin.variant.id, calibration, open_runner) for u in group]
+        measured = {result.variant: result for result, _ in checked}
+        timed = [(result, run) for result, run in checked if run is not None]  # those that passed the accuracy rule
         if timed:
             shapes = serving_shapes(twin.variant, traffic, tuple(profile.dims))
-            _check_speed(profile, open_runner(twin.package, twin.variant.device), timed, shapes, timer)
+            twin_run = open_runner(twin.package, twin.variant.device)
+            measured.update((r.variant, r) for r in _check_speed(profile, twin_run, timed, shapes, timer))
         for u in group:
-            results[u.variant.id].kept = not results[u.variant.id].reason
-            if not results[u.variant.id].kept:
+            result = results[u.variant.id] = replace(measured[u.variant.id], kept=not measured[u.variant.id].reason)
+            if not result.kept:
                 u.package.path.unlink(missing_ok=True)
     kept = tuple(u for u in units if u.variant.precision == "fp32" or results[u.variant.id].kept)
     return GateOutcome(kept, tuple(results[u.variant.id] for u in units if u.variant.id in results))
@@ -118,32 +116,32 @@ def _check_accuracy(
     profile: Profile,
     model: torch.nn.Module,
     unit: CompiledUnit,
+    against: str,
     calibration: Sequence[Sample],
-    result: GateResult,
     open_runner: Callable[[CompiledPackage, str], Runner],
-) -> Runner | None:
-    """The accuracy rule on the calibration samples inside the unit's ranges; the unit's runner when
-    it passed, else None with ``result.reason`` saying why."""
+) -> tuple[GateResult, Runner | None]:
+    """The accuracy rule on the calibration samples inside the unit's ranges: the unit's result
+    (timed against the fp32 variant ``against`` later) and its runner when it passed, else None
+    with the result's ``reason`` saying why."""
     vp = unit.variant
     samples = [s for s in calibration if inside(s[0], vp.ranges)] or fallback_inputs(profile, vp.ranges)
-    result.samples = len(samples)
+    result = GateResult(vp.id, vp.precision, against, samples=len(samples))
     try:
         run = open_runner(unit.package, vp.device)
-        _measure_accuracy(profile, model, run, samples, result)
+        result = replace(result, accuracy=_measure_accuracy(profile, model, run, samples))
     except RuntimeError as e:  # the compiled code failing on a calibration input
-        result.reason = f"failed to run: {first_line(e, limit=300)}"
-        return None
+        return replace(result, reason=f"failed to run: {first_line(e, limit=300)}"), None
     failing = [a for a in result.accuracy if not a["passed"]]
     if failing:
-        result.reason = (
+        reason = (
             "; ".join(
                 f"output {a['output']}: {a['metric']} {a['value']:.4g} {'>' if a['metric'] == 'max_abs' else '<'} {a['threshold']}"
                 for a in failing
             )
             + " (accuracy gate)"
         )
-        return None
-    return run
+        return replace(result, reason=reason), None
+    return result, run
 
 
 def _check_speed(
@@ -152,21 +150,24 @@ def _check_speed(
     timed: list[tuple[GateResult, Runner]],
     shapes: list[tuple[dict[str, int], float]],
     timer: Timer,
-) -> None:
-    """Time the twin and the units that passed in the same interleaved rounds; a unit not fast enough
-    (``accuracy.min_speedup``) gets its reason."""
+) -> list[GateResult]:
+    """Time the twin and the units that passed in the same interleaved rounds: their results with
+    the times, a unit not fast enough (``accuracy.min_speedup``) with its reason."""
     try:
         fp32_ms, *ms = _time_together(profile, [twin] + [run for _, run in timed], shapes, timer)
     except RuntimeError as e:
-        for result, _ in timed:
-            result.reason = f"failed to run: {first_line(e, limit=300)}"
-        return
+        return [replace(result, reason=f"failed to run: {first_line(e, limit=300)}") for result, _ in timed]
     wanted = profile.accuracy.min_speedup
+    out = []
     for (result, _), mine in zip(timed, ms):
-        result.ms, result.fp32_ms = mine, fp32_ms
+        result = replace(result, ms=mine, fp32_ms=fp32_ms)
         if not _fast_enough(result.speedup, wanted):
             what = "faster than fp32" if wanted == 1.0 else f"{wanted}× fp32's speed"
-            result.reason = f"not {what} ({result.ms:.3f} vs {result.fp32_ms:.3f} ms, accuracy.min_speedup)"
+            result = replace(
+                result, reason=f"not {what} ({result.ms:.3f} vs {result.fp32_ms:.3f} ms, accuracy.min_speedup)"
+            )
+        out.append(result)
+    return out
 
 
 def _fast_enough(speedup: float, wanted: float) -> bool:
@@ -175,8 +176,8 @@ def _fast_enough(speedup: float, wanted: float) -> bool:
 
 
 def _measure_accuracy(
-    profile: Profile, model: torch.nn.Module, run: Runner, samples: Sequence[Sample], result: GateResult
-) -> None:
+    profile: Profile, model: torch.nn.Module, run: Runner, samples: Sequence[Sample]
+) -> list[dict[str, Any]]:
     """Each output's metric over all samples (its worst value); integer outputs must be equal."""
     values: dict[int, list[float]] = {}
     floating: dict[int, bool] = {}
@@ -189,6 +190,7 @@ def _measure_accuracy(
                 values.setdefault(i, []).append(agreement(profile.accuracy.rule(i), w, g))
             else:
                 values.setdefault(i, []).append(float(torch.equal(w, g.cpu())))
+    accuracy = []
     for i, vals in sorted(values.items()):
         rule = profile.accuracy.rule(i)
         if not floating[i]:
@@ -196,7 +198,8 @@ def _measure_accuracy(
         else:
             value = worst(rule, vals)
             entry = {"metric": rule.metric, "threshold": rule.threshold, "value": value, "passed": passes(rule, value)}
-        result.accuracy.append({"output": i, **entry})
+        accuracy.append({"output": i, **entry})
+    return accuracy
 
 
 def _time_together(

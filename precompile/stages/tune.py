@@ -27,7 +27,7 @@ from ..traffic import Shape, serving_shapes
 from ..units import CompiledPackage, CompiledUnit, CompiledUnits, VariantPlan, package_file
 
 
-@dataclass
+@dataclass(frozen=True)
 class Trial:
     """One candidate of one variant: how it compiled, whether it matched eager, how fast it ran."""
 
@@ -72,14 +72,13 @@ def measure(
 
 
 def choose(trials: list[Trial]) -> Trial:
-    """The fastest trial that matched eager (ties: the earlier candidate); marks it kept."""
+    """The fastest trial that matched eager (ties: the earlier candidate), as a new Trial marked kept."""
     good = [t for t in trials if t.error is None and t.ms is not None]
     if not good:
         reasons = "; ".join(f"candidate {t.candidate} {t.options}: {t.error}" for t in trials)
         raise CheckError(f"variant {trials[0].variant}: no tuning candidate compiled and matched eager ({reasons})")
     best = min(good, key=lambda t: (t.ms, t.candidate))
-    best.kept = True
-    return best
+    return replace(best, kept=True)
 
 
 def describe(trials: list[Trial]) -> str:
@@ -125,6 +124,7 @@ def tune_variants(
             _trial(vp, k, options, compiled, shapes, open_runner, measure_unit) for k, options in enumerate(candidates)
         ]
         best = choose(mine)
+        mine = [best if t.candidate == best.candidate else t for t in mine]
         winner = compiled.get(vp.id, best.candidate)
         assert winner is not None  # choose() only picks a candidate that compiled
         for k in range(len(candidates)):
@@ -148,14 +148,11 @@ def _trial(
     measure_unit: Measure,
 ) -> Trial:
     """One candidate of one variant: its compile time, and its speed and error once it ran, or why not."""
-    trial = Trial(vp.id, k, options)
     unit = compiled.get(vp.id, k)
     if unit is None:
-        trial.error = compiled.failure(vp.id, k) or "not compiled"
-        return trial
-    trial.compile_s = unit.seconds
+        return Trial(vp.id, k, options, error=compiled.failure(vp.id, k) or "not compiled")
     try:
-        trial.ms, trial.max_abs_error = measure_unit(open_runner(unit.package, vp.device), unit, shapes)
+        ms, max_abs_error = measure_unit(open_runner(unit.package, vp.device), unit, shapes)
     except (CheckError, RuntimeError) as e:
-        trial.error = str(e)[:2000]
-    return trial
+        return Trial(vp.id, k, options, compile_s=unit.seconds, error=str(e)[:2000])
+    return Trial(vp.id, k, options, compile_s=unit.seconds, ms=ms, max_abs_error=max_abs_error)
