@@ -153,7 +153,7 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
 
     rows = time_shapes(profile, SHAPES[name], methods, seconds, log)
     totals = {label: sum(r[label] for r in rows) for label in methods}
-    gate = result.manifest.check.get("precision", [])
+    gate = list(result.manifest.check.precision)
     return {
         "model": name,
         "build_seconds": build_s,
