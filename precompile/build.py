@@ -453,6 +453,7 @@ def _compile_one(
             task.options,
             device=vp.device,
             multi_arch=loaded.profile.cuda.multi_arch,
+            shapes=[list(spec.shape) for spec in loaded.profile.inputs.values()],
         )
     except PrecompileError as e:
         if isinstance(e, ProfileError):

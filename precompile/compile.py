@@ -22,6 +22,7 @@ from torch.export import ExportedProgram
 from loader.model import open_package
 
 from .errors import CompileError
+from .passes import convnets
 
 MANAGED_OPTIONS = {
     "aot_inductor.package_constants_in_so": False,
@@ -48,11 +49,18 @@ def embeds_constants(options: dict[str, Any], device: str) -> bool:
 
 
 def compile_package(
-    ep: ExportedProgram, out: Path, options: dict[str, Any], *, device: str = "cpu", multi_arch: bool = False
+    ep: ExportedProgram,
+    out: Path,
+    options: dict[str, Any],
+    *,
+    device: str = "cpu",
+    multi_arch: bool = False,
+    shapes: list[list[Any]] = (),
 ) -> CompiledPackage:
     """Compile ``ep`` to ``out`` (a .pt2 path), take its constants out (as CPU tensors), return both.
 
     For CUDA, ``multi_arch`` emits PTX beside the build GPU's SASS, so newer GPUs can run the kernels.
+    ``shapes`` (the profile's input shapes, ``[batch, seq]``) name the dims in a lowering failure.
     """
     import torch._inductor  # build side only
 
@@ -61,6 +69,7 @@ def compile_package(
     if device == "cuda" and multi_arch:
         configs["aot_inductor.emit_multi_arch_kernel"] = True
     raw = out.with_suffix(".full.pt2")
+    convnets.rewrite(ep)  # Inductor defects around pooling and convolutions (precompile.passes.convnets)
     try:
         # Gradients off: Inductor's freezing (constant folding, weight prepacking) only applies to
         # graphs compiled without them; serving never needs them.
@@ -68,7 +77,8 @@ def compile_package(
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
     except Exception as e:  # Inductor and the C++ toolchain raise many types
-        raise CompileError(f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
+        said = convnets.explain_failure(e, ep, list(shapes))  # a lowering failure: one line, in the profile's words
+        raise CompileError(said or f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
     if embedded:
         raw.replace(out)
         constants = {}
