@@ -12,6 +12,7 @@ import io
 import json
 import warnings
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def compile_package(
     *,
     device: str = "cpu",
     multi_arch: bool = False,
-    shapes: list[list[Any]] = (),
+    shapes: Sequence[Sequence[Any]] = (),
 ) -> CompiledPackage:
     """Compile ``ep`` to ``out`` (a .pt2 path), take its constants out (as CPU tensors), return both.
 
@@ -77,7 +78,7 @@ def compile_package(
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
     except Exception as e:  # Inductor and the C++ toolchain raise many types
-        said = convnets.explain_failure(e, ep, list(shapes))  # a lowering failure: one line, in the profile's words
+        said = convnets.explain_failure(e, ep, [list(shape) for shape in shapes])  # a lowering failure: one line, in the profile's words
         raise CompileError(said or f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
     if embedded:
         raw.replace(out)

@@ -113,7 +113,7 @@ def _copy_conv_inputs(gm: torch.fx.GraphModule) -> list[Rewrite]:
             # Another memory format than the view's: a clone with its input's strides is a no-op that
             # Inductor removes (post_grad.remove_noop_ops). The convolution still picks the layout.
             layout = torch.contiguous_format
-            if val.is_contiguous():
+            if _known_contiguous(val):
                 layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(val.dim(), layout)
             with gm.graph.inserting_after(src):
                 copies[src] = gm.graph.call_function(aten.clone.default, (src,), {"memory_format": layout})
@@ -136,6 +136,17 @@ def _dynamic_view(node: Any) -> bool:
         and isinstance(val, torch.Tensor)
         and any(isinstance(s, torch.SymInt) for s in val.shape)
     )
+
+
+def _known_contiguous(val: torch.Tensor) -> bool:
+    """Whether ``val``'s strides are provably row-major, asking the sizes' ranges only (``is_contiguous()``
+    would add guards to the exported program's shape environment)."""
+    expected: Any = 1
+    for size, stride in reversed(list(zip(val.shape, val.stride()))):
+        if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
+            return False
+        expected = expected * size
+    return True
 
 
 # --- the failure, in the profile's words -------------------------------------------------------------
