@@ -62,6 +62,7 @@ def compile_unit(
             task.options,
             device=vp.device,
             multi_arch=loaded.profile.cuda.multi_arch,
+            shapes=[list(spec.shape) for spec in loaded.profile.inputs.values()],
         )
     except PrecompileError as e:
         if isinstance(e, ProfileError):

@@ -12,6 +12,7 @@ import io
 import json
 import warnings
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,23 @@ from loader.aoti import open_package
 
 from ..errors import CompileError
 from ..options import WEIGHTS_OUT, embeds_constants
+from ..passes import convnets
 from ..units import CompiledPackage
 
 
 def compile_package(
-    ep: ExportedProgram, out: Path, options: dict[str, Any], *, device: str = "cpu", multi_arch: bool = False
+    ep: ExportedProgram,
+    out: Path,
+    options: dict[str, Any],
+    *,
+    device: str = "cpu",
+    multi_arch: bool = False,
+    shapes: Sequence[Sequence[Any]] = (),
 ) -> CompiledPackage:
     """Compile ``ep`` to ``out`` (a .pt2 path), take its constants out (as CPU tensors), return both.
 
     For CUDA, ``multi_arch`` emits PTX beside the build GPU's SASS, so newer GPUs can run the kernels.
+    ``shapes`` (the profile's input shapes, ``[batch, seq]``) name the dims in a lowering failure.
     """
     import torch._inductor  # build side only
 
@@ -39,6 +48,7 @@ def compile_package(
     if device == "cuda" and multi_arch:
         configs["aot_inductor.emit_multi_arch_kernel"] = True
     raw = out.with_suffix(".full.pt2")
+    convnets.rewrite(ep)  # Inductor defects around pooling and convolutions (precompile.passes.convnets)
     try:
         # Gradients off: Inductor's freezing (constant folding, weight prepacking) only applies to
         # graphs compiled without them; serving never needs them.
@@ -46,7 +56,10 @@ def compile_package(
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
     except Exception as e:  # Inductor and the C++ toolchain raise many types
-        raise CompileError(f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
+        said = convnets.explain_failure(
+            e, ep, [list(shape) for shape in shapes]
+        )  # a lowering failure: one line, in the profile's words
+        raise CompileError(said or f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
     if embedded:
         raw.replace(out)
         constants = {}

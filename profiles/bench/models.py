@@ -96,3 +96,37 @@ def resnet50() -> nn.Module:
 
     torch.manual_seed(0)
     return Logits(ResNetForImageClassification(ResNetConfig())).eval()
+
+
+def settle_batch_norms(model: nn.Module, size: tuple[int, ...] = (4, 3, 96, 96), steps: int = 2) -> nn.Module:
+    """Set every BatchNorm's running statistics from random images (train mode, cumulative average),
+    then eval mode: transformers' random init (BatchNorm weights ~ N(0, 0.02)) shrinks EfficientNet's
+    activations ~50× per stage, to exactly 0 at the logits, where any compiled code "matches" eager."""
+    torch.manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.reset_parameters()
+            m.momentum = None
+    model.train()
+    with torch.no_grad():
+        for _ in range(steps):
+            model(torch.randn(size))
+    return model.eval()
+
+
+def efficientnet_b0(**config) -> nn.Module:
+    """EfficientNet-B0 (transformers' config, width and depth 1.0), random weights, classification logits.
+    Its pooler is ``nn.AvgPool2d(1280, ceil_mode=True)``: see precompile.passes.convnets."""
+    from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+    torch.manual_seed(0)
+    b0 = dict(width_coefficient=1.0, depth_coefficient=1.0, image_size=224, hidden_dim=1280, dropout_rate=0.2)
+    return settle_batch_norms(Logits(EfficientNetForImageClassification(EfficientNetConfig(**{**b0, **config}))))
+
+
+def segformer(**config) -> nn.Module:
+    """Segformer (transformers' default config: MiT-b0), random weights, segmentation logits at 1/4 size."""
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    torch.manual_seed(0)
+    return Logits(SegformerForSemanticSegmentation(SegformerConfig(**config))).eval()

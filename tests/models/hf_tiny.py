@@ -88,3 +88,47 @@ class SlowToTrace(torch.nn.Module):
 
 def slow_to_trace() -> torch.nn.Module:
     return SlowToTrace()
+
+
+def efficientnet() -> torch.nn.Module:
+    """EfficientNet's blocks (depthwise convs, squeeze-and-excite) 8 channels wide. Its pooler is
+    transformers' ``AvgPool2d(hidden_dim, ceil_mode=True)``: a 64×64 window over at most 12×12."""
+    torch.manual_seed(0)
+    config = T.EfficientNetConfig(
+        width_coefficient=0.05,
+        hidden_dim=64,
+        num_labels=3,
+        initializer_range=0.4,
+        depthwise_padding=[],
+        in_channels=[32, 16],
+        out_channels=[16, 24],
+        kernel_sizes=[3, 5],
+        strides=[2, 2],
+        num_block_repeats=[1, 1],
+        expand_ratios=[1, 6],
+    )
+    model = T.EfficientNetForImageClassification(config)
+    for m in model.modules():  # transformers draws BatchNorm weights ~ N(0, 0.02): outputs near 0 match anything
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.reset_parameters()
+    return model.eval()
+
+
+def segformer() -> torch.nn.Module:
+    """Segformer's two first stages (overlapping patch embeddings, attention over a strided-conv
+    reduction of the tokens, Mix-FFN's depthwise conv) and its decode head, 8 and 16 channels wide."""
+    torch.manual_seed(0)
+    config = T.SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[8, 4],
+        hidden_sizes=[8, 16],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        num_attention_heads=[1, 1],
+        mlp_ratios=[2, 2],
+        decoder_hidden_size=16,
+        num_labels=3,
+        initializer_range=0.2,  # outputs of about 1, so that a wrong kernel shows
+    )
+    return T.SegformerForSemanticSegmentation(config).eval()

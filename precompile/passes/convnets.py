@@ -1,0 +1,206 @@
+"""Convolutional models that torch 2.13's Inductor compiles into pathological code, or not at all.
+
+Two rewrites of the exported graph, each exact (eager computes the same values either way), applied
+to every package just before AOTInductor compiles it, and a translation of the lowering failure the
+second one avoids, should it show up elsewhere:
+
+    done = rewrite(ep)                      # [Rewrite("global_avg_pool", ...), Rewrite("copy_conv_input", ...)]
+    message = explain_failure(e, ep, [["batch", 3, "height", "width"]])   # None if not a lowering failure
+
+- **A global average pool written as a huge pooling window.** transformers' EfficientNet (and ALIGN)
+  pool with ``nn.AvgPool2d(1280, ceil_mode=True)`` over a 7×7 map. Inductor lowers ``avg_pool2d`` with
+  stride == kernel as a sum over the whole kernel window, whatever the input's extent: 1280×1280 masked
+  steps per channel, which made EfficientNet-B0 17-39× slower than eager (eager clips the window to the
+  input), static or dynamic sizes alike. Where the window provably covers the whole input, the pool is a
+  ``mean`` over the two spatial axes. docs/upstream/inductor-efficientnet-dynamic.md
+- **A convolution reading a view whose strides are sums of floor divisions.** Segformer turns tokens
+  back into an image with ``x.transpose(1, 2).reshape(b, c, h, w)`` where ``h = (height - 1) // 4 + 1``;
+  the view's strides hold ``h * w`` expanded into a sum, and Inductor's stride-order check on them
+  (``Layout.is_stride_ordered``) asks for a bound of an expression sympy has turned into a fraction:
+  ``ValueRangeError: Invalid ranges [0:-1]`` and no package. With dynamic sizes, such a view is copied
+  (``clone``) before the convolution: Inductor gives the copy the layout the convolution wants (it fuses
+  with the op that produced the data) and never compares the view's strides. docs/upstream/inductor-segformer-dynamic.md
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..analysis.shapes import dim_symbols, user_line
+
+aten = torch.ops.aten
+
+# Every convolution an exported graph can hold; Inductor lowers them all through one lowering.
+CONVOLUTIONS = {
+    aten.convolution, aten._convolution, aten.conv1d, aten.conv2d, aten.conv3d,
+    aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d,
+}  # fmt: skip
+
+UPSTREAM_SEGFORMER = "docs/upstream/inductor-segformer-dynamic.md"
+
+# What a replacement node keeps of the node it replaces: its value (shape, dtype) and where it came from.
+KEPT_META = ("val", "tensor_meta", "stack_trace", "nn_module_stack")
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One change to the graph: what (``global_avg_pool`` or ``copy_conv_input``) and where in the model."""
+
+    kind: str
+    node: str  # the graph node rewritten
+    where: str  # ``file.py:461 in __init__``-style line of the model's code, or ""
+
+
+def rewrite(ep: ExportedProgram) -> list[Rewrite]:
+    """Apply both rewrites to ``ep``'s graph in place; what was changed, in graph order."""
+    gm = ep.graph_module
+    done = _global_avg_pools(gm) + _copy_conv_inputs(gm)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _global_avg_pools(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.avg_pool2d.default or not _covers_input(gm, node):
+            continue
+        with gm.graph.inserting_before(node):
+            mean = gm.graph.call_function(aten.mean.dim, (node.args[0], [-2, -1], True))
+        mean.meta.update({k: v for k, v in node.meta.items() if k in KEPT_META})
+        node.replace_all_uses_with(mean)
+        gm.graph.erase_node(node)
+        done.append(Rewrite("global_avg_pool", node.name, _model_line(node.meta.get("stack_trace"))))
+    return done
+
+
+def _covers_input(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether this ``avg_pool2d`` is a mean over the spatial axes for every size the graph serves:
+    no padding, no divisor override, one output position, and a window at least the input's extent
+    (eager then divides by the input's extent: the window is clipped to it)."""
+    bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    x, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if bound is None or not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    kw = bound.kwargs
+    kernel = list(kw["kernel_size"]) * (2 if len(kw["kernel_size"]) == 1 else 1)
+    padding = kw.get("padding", 0)
+    padding = list(padding) if isinstance(padding, (list, tuple)) else [padding]
+    if kw.get("divisor_override") is not None or any(p != 0 for p in padding):
+        return False
+    return all(statically_known_true(size == 1) for size in out.shape[-2:]) and all(
+        statically_known_true(size <= k) for size, k in zip(x.shape[-2:], kernel)
+    )
+
+
+def _copy_conv_inputs(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    done, copies = [], {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "overloadpacket", None) not in CONVOLUTIONS:
+            continue
+        src = node.args[0]
+        if not _dynamic_view(src):
+            continue
+        if src not in copies:
+            val = src.meta["val"]
+            # Another memory format than the view's: a clone with its input's strides is a no-op that
+            # Inductor removes (post_grad.remove_noop_ops). The convolution still picks the layout.
+            layout = torch.contiguous_format
+            if _known_contiguous(val):
+                layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(val.dim(), layout)
+            with gm.graph.inserting_after(src):
+                copies[src] = gm.graph.call_function(aten.clone.default, (src,), {"memory_format": layout})
+            copies[src].meta.update(val=val.clone(memory_format=layout), stack_trace=src.meta.get("stack_trace"))
+        node.replace_input_with(src, copies[src])
+        done.append(Rewrite("copy_conv_input", node.name, _model_line(node.meta.get("stack_trace"))))
+    return done
+
+
+def _dynamic_view(node: Any) -> bool:
+    """A view (it shares its producer's memory and strides) with a symbolic size. ``contiguous`` is
+    no view in this sense: what it returns is laid out densely by construction."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    target, val = node.target, node.meta.get("val")
+    return (
+        isinstance(target, torch._ops.OpOverload)  # OpOverload.is_view: the schema says the output aliases an input
+        and target.is_view
+        and target.overloadpacket is not aten.contiguous
+        and isinstance(val, torch.Tensor)
+        and any(isinstance(s, torch.SymInt) for s in val.shape)
+    )
+
+
+def _known_contiguous(val: torch.Tensor) -> bool:
+    """Whether ``val``'s strides are provably row-major, asking the sizes' ranges only (``is_contiguous()``
+    would add guards to the exported program's shape environment)."""
+    expected: Any = 1
+    for size, stride in reversed(list(zip(val.shape, val.stride()))):
+        if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
+            return False
+        expected = expected * size
+    return True
+
+
+# --- the failure, in the profile's words -------------------------------------------------------------
+
+
+def explain_failure(e: BaseException, ep: ExportedProgram, shapes: list[list[Any]]) -> str | None:
+    """One line for an Inductor lowering failure: the op, the model's line, the dims its input's sizes
+    depend on (``shapes``: the profile's input shapes, ``[batch, 3, height, width]``) and what to do;
+    None when ``e`` is no lowering failure (the caller then quotes torch)."""
+    text = str(e)
+    failure = re.search(r"LoweringException: (\w+): (.*)", text)
+    if failure is None:
+        return None
+    target = re.search(r"^\s*target: (\S+)", text, re.M)
+    op = target.group(1).removesuffix(".default") if target else "an op"
+    names = {str(symbol): dim for symbol, dim in dim_symbols(ep, shapes).items()}
+    # The input's IR (args[0]); a view's own layout comes last, after the buffer it views.
+    first = re.search(r"args\[0\]:(.*?)(?:args\[1\]:|Found from|$)", text, re.S)
+    size = re.findall(r"size=\[([^\]]*)\]", first.group(1)) if first else []
+    sizes = _in_dims(size[-1], names) if size else ""
+    divided = " ".join(part for part in _entries(sizes) if "//" in part)  # the dims floor divisions hold
+    involved = [d for d in dict.fromkeys(names.values()) if re.search(rf"\b{re.escape(d)}\b", divided)]
+    line = _model_line(text.split("Found from", 1)[1] if "Found from" in text else "")
+    at = f" at {line}" if line else ""
+    said = f"{failure.group(1)}: {failure.group(2).strip()}"
+    if failure.group(1) == "ValueRangeError" and involved:
+        dims = " and ".join(involved)
+        return (
+            f"Inductor (torch {torch.__version__}) cannot compile {op}{at} for dynamic {dims}: its input's "
+            f"sizes [{sizes}] are floor divisions of them, on which its range analysis fails ({said}; "
+            f"{UPSTREAM_SEGFORMER}); declare {dims} as static sizes in the profile (one variant per size)"
+        )
+    shown = f" (input sizes [{sizes}])" if sizes else ""
+    return f"Inductor (torch {torch.__version__}) cannot compile {op}{at}{shown}: {said}"
+
+
+def _entries(sizes: str) -> list[str]:
+    """``a, (b + 1)//4, c`` → its top-level entries (commas inside brackets do not split)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(sizes):
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(sizes[start:i].strip())
+            start = i + 1
+    return out + [sizes[start:].strip()]
+
+
+def _in_dims(sizes: str, names: dict[str, str]) -> str:
+    """Inductor's size expressions with its symbols (``s53``) replaced by the profile's dim names."""
+    return re.sub(r"\bs\d+\b", lambda m: names.get(m.group(0), m.group(0)), sizes)
+
+
+def _model_line(stack: str | None) -> str:
+    """The innermost frame of a Python stack text outside torch: ``modeling_x.py:216 in forward: <code>``."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack or "")
+    stack = [{"filename": i, "line": int(n), "name": name, "loc": code} for i, (_, n, name, code) in enumerate(frames)]
+    return user_line(stack, {i: path for i, (path, *_) in enumerate(frames)})

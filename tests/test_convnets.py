@@ -1,0 +1,147 @@
+"""Convnets Inductor compiles badly or not at all (precompile.passes.convnets): tiny transformers vision
+models built through the whole pipeline, and the graph rewrites and failure message on their own."""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from pathlib import Path
+
+import torch
+import torch._inductor
+from torch import nn
+
+import loader
+from precompile.passes import convnets
+from precompile.pipeline import build
+
+from .models import hf_tiny
+from .test_doctor import profile
+
+IMAGES = """
+    name: {name}
+    model: {{factory: "hf_tiny:{name}", outputs: [logits]}}
+    inputs: {{pixel_values: {{shape: [batch, 3, height, width], dtype: float32}}}}
+    dims: {{batch: {{min: 1, max: 2}}, height: {{min: {lo}, max: {hi}}}, width: {{min: {lo}, max: {hi}}}}}
+    check: {{random_shapes: 1}}
+"""
+
+
+def generated_code(artifact: Path) -> str:
+    """The C++ Inductor wrote for every variant (AOTInductor packages keep their sources)."""
+    out = []
+    for package in (artifact / "variants").glob("*.pt2"):
+        with zipfile.ZipFile(package) as z:
+            out += [z.read(n).decode() for n in z.namelist() if n.endswith(".cpp")]
+    return "\n".join(out)
+
+
+def matches_eager(artifact: Path, model: nn.Module, shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(pixel_values=x).logits
+    got = loader.load(artifact)(x)
+    got = got["logits"] if isinstance(got, dict) else got
+    assert want.abs().max() > 0.1  # a model whose outputs vanish would match any compiled code
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_efficientnet_pools_with_a_mean_over_any_image_size(tmp_path):
+    artifact = build(profile(tmp_path, IMAGES.format(name="efficientnet", lo=32, hi=96)), tmp_path / "artifact").path
+    kernels = set(re.findall(r"void\s+(cpp_fused_\w+)\(", generated_code(artifact)))
+    assert kernels and not [k for k in kernels if "avg_pool2d" in k]  # no loop over the 64×64 window
+    assert [k for k in kernels if "mean" in k]
+    matches_eager(artifact, hf_tiny.efficientnet(), (2, 3, 41, 77))
+
+
+def test_segformer_builds_with_dynamic_height_and_width(tmp_path):
+    artifact = build(profile(tmp_path, IMAGES.format(name="segformer", lo=64, hi=128)), tmp_path / "artifact").path
+    matches_eager(artifact, hf_tiny.segformer(), (2, 3, 127, 65))
+
+
+# --- the rewrites and the message on their own ---------------------------------------------------
+
+
+class Pools(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.whole = nn.AvgPool2d(64, ceil_mode=True)  # covers every input up to 64×64
+        self.local = nn.AvgPool2d(2)
+
+    def forward(self, x):
+        return self.whole(x).mean((-2, -1)) + self.local(x).mean((-2, -1))
+
+
+def line_of(code: str) -> int:
+    """This file's line number of ``code`` (the model line a message must name)."""
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if line.strip() == code)
+
+
+def export(model: nn.Module, x: torch.Tensor, dims: dict[int, torch.export.Dim] | None) -> torch.export.ExportedProgram:
+    with torch.no_grad():
+        return torch.export.export(model.eval(), (x,), dynamic_shapes=(dims,) if dims else None)
+
+
+def test_only_a_window_covering_every_input_becomes_a_mean():
+    height = torch.export.Dim("height", min=4, max=64)
+    ep = export(Pools(), torch.randn(2, 3, 10, 12), {2: height})
+    done = convnets.rewrite(ep)
+    code = "return self.whole(x).mean((-2, -1)) + self.local(x).mean((-2, -1))"
+    where = f"test_convnets.py:{line_of(code)} in forward: {code}"
+    assert [(r.kind, r.where) for r in done] == [("global_avg_pool", where)]
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.avg_pool2d.default) == 1  # the 2×2 pool stays
+    x = torch.randn(2, 3, 37, 12)
+    torch.testing.assert_close(ep.module()(x), Pools()(x))
+
+
+def test_a_window_smaller_than_some_input_stays_a_pool():
+    height = torch.export.Dim("height", min=4, max=64)
+    ep = export(Pools(), torch.randn(2, 3, 10, 80), {2: height})  # 80 columns: two windows across
+    assert convnets.rewrite(ep) == []
+
+
+class TokensToImage(nn.Module):
+    """Segformer's pattern: patch embeddings, tokens [b, h*w, c] through LayerNorms, back to an image."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 7, stride=4, padding=3)
+        self.norms = nn.Sequential(nn.LayerNorm(8), nn.LayerNorm(8))
+        self.reduce = nn.Conv2d(8, 8, 8, stride=8)
+
+    def forward(self, x):
+        x = self.patch(x)
+        b, c, h, w = x.shape
+        image = self.norms(x.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(b, c, h, w)
+        return self.reduce(image)
+
+
+IMAGE_DIMS = {0: torch.export.Dim("batch", min=1, max=4), 2: torch.export.Dim("height", min=96, max=256),
+              3: torch.export.Dim("width", min=96, max=256)}  # fmt: skip
+
+
+def test_a_convolution_reads_a_copy_of_a_view_with_dynamic_sizes_only():
+    dynamic = export(TokensToImage(), torch.randn(2, 3, 200, 210), IMAGE_DIMS)
+    at = f"test_convnets.py:{line_of('return self.reduce(image)')} in forward: return self.reduce(image)"
+    assert [(r.kind, r.where) for r in convnets.rewrite(dynamic)] == [("copy_conv_input", at)]
+    convs = [n for n in dynamic.graph.nodes if n.target is torch.ops.aten.conv2d.default]
+    assert [c.args[0].target for c in convs] == ["x", torch.ops.aten.clone.default]
+    static = export(TokensToImage(), torch.randn(2, 3, 200, 210), None)
+    assert convnets.rewrite(static) == []
+
+
+def test_a_lowering_failure_names_the_model_line_and_the_dims(tmp_path):
+    ep = export(TokensToImage(), torch.randn(2, 3, 200, 210), IMAGE_DIMS)
+    try:  # Inductor itself, without the rewrite that avoids its failure
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "model.pt2"))
+    except Exception as e:
+        message = convnets.explain_failure(e, ep, [["batch", 3, "height", "width"]])
+    else:
+        raise AssertionError("Inductor compiled the pattern: torch has fixed the bug; retire the rewrite")
+    assert message is not None and "\n" not in message
+    at = f"test_convnets.py:{line_of('return self.reduce(image)')} in forward: return self.reduce(image)"
+    assert f"cannot compile aten.convolution at {at} for dynamic height and width" in message
+    assert "sizes [batch, 8, (((height - 1)//4)) + 1, (((width - 1)//4)) + 1] are floor divisions" in message
+    assert "ValueRangeError: Invalid ranges [0:-1]" in message
+    assert message.endswith("declare height and width as static sizes in the profile (one variant per size)")
