@@ -7,6 +7,7 @@ import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 try:
@@ -34,6 +35,28 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise click.ClickException(str(e)) from None
 
     return wrapper
+
+
+def artifact_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of a command that writes an artifact (`build`, `assemble`): where, its release
+    number, and when it expires."""
+    fn = click.option(
+        "--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00."
+    )(fn)
+    fn = click.option(
+        "--artifact-version",
+        "version",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Release number of this artifact name; loaders can refuse older ones.",
+    )(fn)
+    return click.option(
+        "-o",
+        "--output",
+        type=click.Path(file_okay=False, path_type=Path),
+        help="Artifact folder [default: artifacts/<name>].",
+    )(fn)
 
 
 # What each extra adds that commands import, by import name (pyproject.toml names the distributions;

@@ -4,32 +4,16 @@ from pathlib import Path
 
 import click
 
-from . import main, user_errors
+from . import artifact_options, main, user_errors
 
 
 @main.command()
 @click.argument("parts", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Artifact folder [default: artifacts/<name>].",
-)
+@artifact_options
 @click.option(
     "--profile",
     type=click.Path(dir_okay=False, path_type=Path),
     help="The profile the parts were built from [default: the path recorded in the parts].",
-)
-@click.option(
-    "--artifact-version",
-    "version",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Release number of this artifact name; loaders can refuse older ones.",
-)
-@click.option(
-    "--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00."
 )
 @user_errors
 def assemble(

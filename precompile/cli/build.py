@@ -4,28 +4,12 @@ from pathlib import Path
 
 import click
 
-from . import main, user_errors
+from . import artifact_options, main, user_errors
 
 
 @main.command()
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Artifact folder [default: artifacts/<name>].",
-)
-@click.option(
-    "--artifact-version",
-    "version",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Release number of this artifact name; loaders can refuse older ones.",
-)
-@click.option(
-    "--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00."
-)
+@artifact_options
 @click.option(
     "-j",
     "--jobs",
