@@ -372,6 +372,8 @@ def start_server(
             return None
         grpc, workers = free_port(), args.triton_instances
         command, env = triton_command(artifact, work / "triton-repo", http, grpc, args)
+    if "http" not in protocols and grpc is None:
+        return None  # nothing to measure it over
     with open(log, "wb") as out:
         process = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
