@@ -12,7 +12,8 @@ Inputs and outputs pass between numpy and torch without copies (``torch.from_num
 ``loader.load()`` gets the keyword arguments that ``config.pbtxt`` parameters ``load.<keyword>`` hold
 as JSON (the export writes the trust policy there: trusted keys, minimum version, rollback ledger,
 hash checks, precision). An artifact the policy refuses fails this version's load with the loader's
-one-line reason: Triton marks it UNAVAILABLE and serves its other models.
+one-line reason: Triton marks the model UNAVAILABLE (it loads a model's versions all or none)
+and serves its other models.
 
 The backend stub embeds Python started with -E, so it ignores PYTHONPATH: this file adds PYTHONPATH's
 entries to ``sys.path`` itself (first, in order), so that ``loader``, torch and numpy resolve as they
