@@ -417,6 +417,13 @@ def test_the_default_policy_is_written_too(repo):
     }
 
 
+def test_precision_and_no_verify_are_written_as_given(tagger_build, tmp_path):
+    result = export(str(tagger_build.path), "-o", str(tmp_path / "repo"), "--precision", "fp32", "--no-verify")
+    assert result.exit_code == 0, result.output
+    written = parameters((tmp_path / "repo" / NAME / "config.pbtxt").read_text())
+    assert written["load.precision"] == "fp32" and written["load.verify"] is False
+
+
 def repository_index(server: Server) -> dict[tuple[str, str], dict]:
     request = urllib.request.Request(f"http://127.0.0.1:{server.http}/v2/repository/index", data=b"{}", method="POST")
     with urllib.request.urlopen(request, timeout=10) as r:
