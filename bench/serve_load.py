@@ -1,28 +1,41 @@
-"""Serving under concurrency: requests/s, p50/p99 latency and the batches formed through the HTTP
-server, with and without ``--batch``, for the artifact and for eager behind the same server.
+"""Serving under concurrency: requests/s, p50/p99 latency and the batches formed, over HTTP and
+gRPC, with and without ``--batch``, for the artifact and for eager behind the same server, and for
+the same artifact behind Triton Inference Server.
 
     python -m bench.serve_load                                   # MiniLM (real weights) and ResNet-50
     python -m bench.serve_load --case minilm --concurrency 1 16 --seconds 20
+    python -m bench.serve_load --case minilm --servers "precompile --batch" triton --protocol grpc
     python -m bench.serve_load --artifact DIR --profile FILE --shape batch=1,seq=16 --smoke
 
 Per case, the artifact is built from ``profiles/bench/<case>.yaml`` (or ``--artifact`` is used), then
-four servers run one after the other on a loopback port, each serving every concurrency level:
+the servers run one after the other on loopback ports, each serving every protocol and concurrency level:
 
 - ``precompile``: ``precompile serve ARTIFACT``, and ``precompile --batch`` with ``--batch --max-delay-ms``;
+  for gRPC with ``--grpc-port`` (rows skipped, with a line saying so, where the server lacks it);
 - ``eager``, ``eager --batch``: the same server (``create_app``: guards, dispatch, batcher, codec,
   metrics) in which every variant's compiled code is replaced by the profile's eager module
   (``loader.model.open_package`` patched in the server process only; ``--eager-server``). ResNet-50's
   factory makes random weights, so its eager outputs differ from the artifact's; its cost does not.
+  HTTP only;
+- ``triton``: the artifact exported with ``precompile export triton`` (``export_triton``: its
+  config.pbtxt's dynamic batcher, queue delay ``--max-delay-ms``, ``--triton-instances`` instances,
+  the Python-backend model.py calling ``loader.load()``), served by the real ``tritonserver`` that
+  ``make triton`` unpacks into ``.triton/`` (skipped, with a line saying so, without it).
 
-Both get the environment ``precompile serve`` sets (``OMP_WAIT_POLICY=PASSIVE``, ``OMP_NUM_THREADS``).
+The precompile and eager servers get the environment ``precompile serve`` sets (``OMP_WAIT_POLICY=PASSIVE``,
+``OMP_NUM_THREADS``); Triton's model.py sets the same for each instance.
 
 The load generator is this script: closed-loop clients (each sends its next request when the last
-answer arrived), ``--concurrency`` of them, as asyncio tasks with one keep-alive connection each,
-spread over ``--client-procs`` processes, speaking plain HTTP/1.1 with pre-encoded bodies (the Open
-Inference Protocol's binary tensors: no JSON encoding of tensors on either side). Each level is
-bounded by ``--requests`` and ``--seconds``, after a short warm-up. Batch sizes come from the
-server's ``/metrics`` (``precompile_batch_size``) before and after each level; the load generator's
-own CPU use is ``getrusage`` of its processes over the level's wall time, the server's from /proc.
+answer arrived), ``--concurrency`` of them, as asyncio tasks with one connection each, spread over
+``--client-procs`` processes, sending pre-encoded requests: over HTTP/1.1 keep-alive, the Open
+Inference Protocol's binary tensors (no JSON encoding of tensors on either side); over gRPC, a
+KServe v2 ``ModelInferRequest`` with raw input contents (built with tritonclient's generated
+``service_pb2``, serialized once) on a ``grpc.aio`` channel of its own per client, answers kept as
+bytes. Both servers speak both the same way. Each level is bounded by ``--requests`` and
+``--seconds``, after a short warm-up. Batch sizes come from our server's ``/metrics``
+(``precompile_batch_size``) or Triton's statistics extension (``/v2/models/NAME/stats``) before and
+after each level; the load generator's own CPU use is ``getrusage`` of its processes over the level's
+wall time, the server's from /proc (its child processes, Triton's backend stubs, included).
 Clients and server share the machine: read the client CPU column before the others.
 
 Writes ``--out`` (default bench/results/serve_load.json) and prints one table per case.
@@ -32,11 +45,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -45,6 +60,7 @@ import sys
 import time
 import urllib.request
 from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,16 +81,19 @@ DATATYPES = {
     "float64": "FP64",
 }
 HEADER_LENGTH = "Inference-Header-Content-Length"
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"  # KServe v2, as Triton and precompile serve it
+SERVERS = ("precompile", "precompile --batch", "eager", "eager --batch", "triton")
+TRITON = ROOT / ".triton"  # scripts/fetch-triton (make triton)
+TRITON_SERVER = TRITON / "pytriton" / "tritonserver"
 
 
 # --- the request -------------------------------------------------------------------------------
 
 
-def infer_request(manifest: dict, sizes: dict[str, int], port: int) -> bytes:
-    """One complete HTTP/1.1 POST of /v2/models/<name>/infer with binary tensors: integer inputs
-    within their value range, masks all true, floats small and varied; binary outputs asked for."""
-    header: dict = {"inputs": [], "parameters": {"binary_data_output": True}}
-    raw = []
+def request_tensors(manifest: dict, sizes: dict[str, int]) -> list[tuple[str, list[int], str, bytes]]:
+    """Each input's name, shape, Open Inference Protocol datatype and raw bytes: integer inputs
+    within their value range, masks all true, floats small and varied."""
+    tensors = []
     for spec in manifest["inputs"]:
         shape = [sizes[s] if isinstance(s, str) else s for s in spec["shape"]]
         n = 1
@@ -88,21 +107,38 @@ def infer_request(manifest: dict, sizes: dict[str, int], port: int) -> bytes:
         else:
             lo, hi = spec.get("range", [0, 0])
             data = array(ARRAY_CODES[dtype], (lo + (i * 7) % (hi - lo + 1) for i in range(n))).tobytes()
-        header["inputs"].append(
-            {
-                "name": spec["name"],
-                "shape": shape,
-                "datatype": DATATYPES[dtype],
-                "parameters": {"binary_data_size": len(data)},
-            }
-        )
-        raw.append(data)
+        tensors.append((spec["name"], shape, DATATYPES[dtype], data))
+    return tensors
+
+
+def infer_request(manifest: dict, sizes: dict[str, int], port: int) -> bytes:
+    """One complete HTTP/1.1 POST of /v2/models/<name>/infer with binary tensors, binary outputs asked for."""
+    tensors = request_tensors(manifest, sizes)
+    header: dict = {
+        "inputs": [
+            {"name": name, "shape": shape, "datatype": datatype, "parameters": {"binary_data_size": len(data)}}
+            for name, shape, datatype, data in tensors
+        ],
+        "parameters": {"binary_data_output": True},
+    }
     head = json.dumps(header).encode()
-    body = head + b"".join(raw)
+    body = head + b"".join(data for *_, data in tensors)
     return (
         f"POST /v2/models/{manifest['name']}/infer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: application/octet-stream\r\n{HEADER_LENGTH}: {len(head)}\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
+
+
+def grpc_infer_request(manifest: dict, sizes: dict[str, int]) -> bytes:
+    """The same call as a serialized KServe v2 ``ModelInferRequest``, the tensors as raw input contents."""
+    from tritonclient.grpc import service_pb2
+
+    tensors = request_tensors(manifest, sizes)
+    request = service_pb2.ModelInferRequest(model_name=manifest["name"])
+    for name, shape, datatype, data in tensors:
+        request.inputs.add(name=name, datatype=datatype, shape=shape)
+        request.raw_input_contents.append(data)
+    return request.SerializeToString()
 
 
 # --- the load generator ------------------------------------------------------------------------
@@ -116,30 +152,70 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
     return status
 
 
+async def _http_caller(port: int, request: bytes):
+    """A call over one keep-alive HTTP/1.1 connection: True when answered 200."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def call() -> bool:
+        writer.write(request)
+        return await _read_response(reader) == 200
+
+    async def close() -> None:
+        writer.close()
+
+    return call, close
+
+
+async def _grpc_caller(port: int, request: bytes):
+    """A ModelInfer call on a gRPC channel of its own (its own HTTP/2 connection: a local subchannel
+    pool), the request sent and the answer kept as bytes: True when answered OK."""
+    import grpc
+
+    channel = grpc.aio.insecure_channel(
+        f"127.0.0.1:{port}",
+        options=[
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.max_send_message_length", 256 << 20),
+            ("grpc.max_receive_message_length", 256 << 20),
+        ],
+    )
+    infer = channel.unary_unary(MODEL_INFER)  # no (de)serializers: bytes in, bytes out
+
+    async def call() -> bool:
+        try:
+            await infer(request)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
+    return call, channel.close
+
+
+CALLERS = {"http": _http_caller, "grpc": _grpc_caller}
+
+
 async def _clients(
-    port: int, request: bytes, tasks: int, budget: int, start_at: float, stop_at: float, warmup: int
+    protocol: str, port: int, request: bytes, tasks: int, budget: int, start_at: float, stop_at: float, warmup: int
 ) -> dict:
     latencies: list[float] = []
     errors = [0]
     left = [budget]
 
     async def one() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        call, close = await CALLERS[protocol](port, request)
         try:
             for _ in range(warmup):
-                writer.write(request)
-                await _read_response(reader)
+                await call()
             await asyncio.sleep(max(0.0, start_at - time.time()))
             while left[0] > 0 and time.time() < stop_at:
                 left[0] -= 1
                 t0 = time.perf_counter()
-                writer.write(request)
-                status = await _read_response(reader)
+                ok = await call()
                 latencies.append(time.perf_counter() - t0)
-                if status != 200:
+                if not ok:
                     errors[0] += 1
         finally:
-            writer.close()
+            await close()
 
     running = asyncio.gather(*(one() for _ in range(tasks)))  # connect and warm up, then wait for start_at
     await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -154,15 +230,32 @@ def _own_cpu() -> float:
 
 
 def client_process(
-    port: int, request: bytes, tasks: int, budget: int, start_at: float, stop_at: float, warmup: int, out
+    protocol: str,
+    port: int,
+    request: bytes,
+    tasks: int,
+    budget: int,
+    start_at: float,
+    stop_at: float,
+    warmup: int,
+    out,
 ) -> None:
-    out.put(asyncio.run(_clients(port, request, tasks, budget, start_at, stop_at, warmup)))
+    out.put(asyncio.run(_clients(protocol, port, request, tasks, budget, start_at, stop_at, warmup)))
 
 
 def run_level(
-    port: int, server_pid: int, request: bytes, concurrency: int, procs: int, requests: int, seconds: float, warmup: int
+    protocol: str,
+    port: int,
+    server_pid: int,
+    request: bytes,
+    concurrency: int,
+    procs: int,
+    requests: int,
+    seconds: float,
+    warmup: int,
 ) -> dict:
-    """``concurrency`` closed-loop clients for at most ``requests`` requests and ``seconds`` seconds."""
+    """``concurrency`` closed-loop clients over ``protocol`` for at most ``requests`` requests and
+    ``seconds`` seconds."""
     procs = max(1, min(procs, concurrency))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -172,7 +265,7 @@ def run_level(
     workers = [
         ctx.Process(
             target=client_process,
-            args=(port, request, n, max(1, requests * n // concurrency), start_at, stop_at, warmup, out),
+            args=(protocol, port, request, n, max(1, requests * n // concurrency), start_at, stop_at, warmup, out),
         )
         for n in shares
     ]
@@ -188,6 +281,7 @@ def run_level(
     wall = max(r["end"] for r in results) - start_at
     done = len(latencies)
     return {
+        "protocol": protocol,
         "concurrency": concurrency,
         "requests": done,
         "errors": sum(r["errors"] for r in results),
@@ -214,67 +308,142 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Server:
+    """A server under test: its process, its ports (``grpc`` None: not over gRPC) and what it serves."""
+
+    kind: str  # precompile, eager, triton
+    batching: bool
+    process: subprocess.Popen
+    http: int
+    grpc: int | None
+    workers: int  # precompile's --workers, Triton's instances
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    @property
+    def label(self) -> str:
+        return self.kind + (" --batch" if self.batching and self.kind != "triton" else "")
+
+    def port(self, protocol: str) -> int | None:
+        return self.http if protocol == "http" else self.grpc
+
+
 def start_server(
-    kind: str, artifact: Path, profile: Path, port: int, batch_args: list[str], workers: int = 1
-) -> subprocess.Popen:
+    kind: str, batching: bool, artifact: Path, profile: Path | None, protocols: list[str], work: Path, args
+) -> Server | None:
+    """Start one server on free loopback ports; None (with a line saying why) when it cannot run here."""
     from precompile.serve.server import serving_env
 
-    workers = workers if kind == "precompile" else 1  # the eager server is one process
+    http, grpc = free_port(), None
+    log = work / f"{kind}{'-batch' if batching else ''}.log"
+    workers = args.workers if kind == "precompile" else 1  # the eager server is one process
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **serving_env(workers)}
+    batch_args = ["--batch", "--max-delay-ms", str(args.max_delay_ms)] if batching else []
+    if batching and args.max_batch:
+        batch_args += ["--max-batch", str(args.max_batch)]
     if kind == "precompile":
+        if "grpc" in protocols:
+            if serves_grpc():
+                grpc = free_port()
+            else:
+                print("  precompile: gRPC rows skipped: `precompile serve` has no --grpc-port here", flush=True)
         command = [
-            sys.executable,
-            "-m",
-            "precompile",
-            "serve",
-            str(artifact),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--workers",
-            str(workers),
+            sys.executable, "-m", "precompile", "serve", str(artifact),
+            "--port", str(http), "--log-level", "warning", "--workers", str(workers),
+            *(["--grpc-port", str(grpc)] if grpc is not None else []),
             *batch_args,
-        ]
-    else:
+        ]  # fmt: skip
+    elif kind == "eager":
+        if profile is None:
+            raise SystemExit("eager: needs --profile (the profile the artifact was built from)")
+        if "grpc" in protocols:
+            print("  eager: gRPC rows skipped: the eager server is create_app under uvicorn, HTTP only", flush=True)
         command = [
-            sys.executable,
-            "-m",
-            "bench.serve_load",
-            "--eager-server",
-            str(artifact),
-            "--profile",
-            str(profile),
-            "--port",
-            str(port),
-            "--serve-args",
-            " ".join(batch_args),
-        ]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            sys.executable, "-m", "bench.serve_load", "--eager-server", str(artifact),
+            "--profile", str(profile), "--port", str(http), "--serve-args", " ".join(batch_args),
+        ]  # fmt: skip
+    else:
+        if not (TRITON_SERVER / "bin" / "tritonserver").is_file():
+            print(f"  triton: skipped: no tritonserver in {TRITON} (run `make triton`)", flush=True)
+            return None
+        grpc, workers = free_port(), args.triton_instances
+        command, env = triton_command(artifact, work / "triton-repo", http, grpc, args)
+    if "http" not in protocols and grpc is None:
+        return None  # nothing to measure it over
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return Server(kind, batching, process, http, grpc, workers, log)
 
 
-def wait_ready(base: str, server: subprocess.Popen, timeout: float = 600) -> None:
+def triton_command(artifact: Path, repo: Path, http: int, grpc: int, args) -> tuple[list[str], dict[str, str]]:
+    """Export ``artifact`` as Triton would get it (``precompile export triton --link``, the queue
+    delay ``--max-delay-ms``) into ``repo`` (replaced), and the tritonserver command serving it."""
+    from precompile.ship.triton import export_triton, tritonserver_command
+
+    shutil.rmtree(repo, ignore_errors=True)
+    (model,) = export_triton(
+        [artifact],
+        repo,
+        link=True,
+        instances=args.triton_instances,
+        max_queue_delay_us=round(args.max_delay_ms * 1000),
+    )
+    if not model.config.max_batch_size:
+        print(f"  triton: not batched by Triton ({model.config.unbatched})", flush=True)
+    return tritonserver_command(
+        repo,
+        server=TRITON_SERVER,
+        stub_site=TRITON / "stub-site",
+        http_port=http,
+        grpc_port=grpc,
+        options=["--allow-metrics", "false", "--exit-timeout-secs", "10"],
+    )
+
+
+@functools.cache
+def serves_grpc() -> bool:
+    """Whether this checkout's `precompile serve` takes --grpc-port (the KServe v2 gRPC service)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "precompile", "serve", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    return "--grpc-port" in result.stdout
+
+
+def wait_ready(server: Server, timeout: float = 600) -> None:
+    path = "/v2/health/ready" if server.kind == "triton" else "/readyz"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited ({server.returncode}): {server.stderr.read()[-2000:]}")
+        if server.process.poll() is not None:
+            tail = server.log.read_text(errors="replace")[-2000:]
+            raise SystemExit(f"{server.label}: the server exited ({server.process.returncode}): {tail}")
         try:
-            with urllib.request.urlopen(f"{base}/readyz", timeout=5) as r:
+            with urllib.request.urlopen(f"{server.base}{path}", timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.2)
-    raise SystemExit(f"{base} not ready after {timeout:.0f} s")
+    raise SystemExit(f"{server.label}: {server.base} not ready after {timeout:.0f} s (log: {server.log})")
 
 
-def stop_server(server: subprocess.Popen) -> None:
-    server.send_signal(signal.SIGTERM)
+def stop_server(server: Server) -> None:
+    """SIGTERM, then the whole process group (workers, Triton's backend stubs) if it does not stop."""
+    server.process.send_signal(signal.SIGTERM)
     try:
-        server.wait(timeout=60)
+        server.process.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+
+
+def batch_counts(server: Server, model: str) -> dict[str, float]:
+    return triton_stats(server.base, model) if server.kind == "triton" else scrape(server.base)
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -316,7 +485,36 @@ def process_cpu(pid: int) -> float | None:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def triton_stats(base: str, model: str) -> dict[str, float]:
+    """Triton's statistics extension for ``model``: inferences and executions (batches), and the
+    executions per batch size (``size=N``), its versions added up."""
+    with urllib.request.urlopen(f"{base}/v2/models/{model}/stats", timeout=10) as r:
+        versions = json.loads(r.read())["model_stats"]
+    out: dict[str, float] = {
+        "triton_inference_count": sum(v["inference_count"] for v in versions),
+        "triton_execution_count": sum(v["execution_count"] for v in versions),
+    }
+    for v in versions:
+        for b in v["batch_stats"]:
+            key = f"size={b['batch_size']}"
+            out[key] = out.get(key, 0) + b["compute_infer"]["count"]
+    return out
+
+
+def triton_batches_between(before: dict, after: dict) -> dict:
+    count = after["triton_execution_count"] - before["triton_execution_count"]
+    rows = after["triton_inference_count"] - before["triton_inference_count"]
+    sizes = {
+        f"={k[5:]}": int(after[k] - before.get(k, 0))
+        for k in sorted(after, key=lambda k: int(k[5:]) if k.startswith("size=") else 0)
+        if k.startswith("size=") and after[k] - before.get(k, 0)
+    }
+    return {"batches": int(count), "mean_batch": rows / count if count else None, "batch_sizes": sizes}
+
+
 def batches_between(before: dict, after: dict, batching: bool) -> dict:
+    if "triton_execution_count" in after:
+        return triton_batches_between(before, after)
     if not batching:
         return {"batches": None, "mean_batch": 1.0, "batch_sizes": {}}
     count = after.get("precompile_batch_size_count", 0) - before.get("precompile_batch_size_count", 0)
@@ -331,29 +529,47 @@ def batches_between(before: dict, after: dict, batching: bool) -> dict:
 
 
 def run_server(
-    kind: str, batching: bool, artifact: Path, profile: Path, manifest: dict, sizes: dict, args
+    kind: str,
+    batching: bool,
+    artifact: Path,
+    profile: Path | None,
+    manifest: dict,
+    sizes: dict,
+    protocols: list[str],
+    work: Path,
+    args,
 ) -> list[dict]:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    batch_args = ["--batch", "--max-delay-ms", str(args.max_delay_ms)] if batching else []
-    if batching and args.max_batch:
-        batch_args += ["--max-batch", str(args.max_batch)]
-    server = start_server(kind, artifact, profile, port, batch_args, args.workers)
+    """One server, every protocol it speaks here and every concurrency level: a row each."""
+    server = start_server(kind, batching, artifact, profile, protocols, work, args)
+    if server is None:
+        return []
     rows = []
     try:
-        wait_ready(base, server)
-        request = infer_request(manifest, sizes, port)
-        for c in args.concurrency:
-            before = scrape(base)
-            level = run_level(port, server.pid, request, c, args.client_procs, args.requests, args.seconds, args.warmup)
-            level.update(batches_between(before, scrape(base), batching))
-            row = {
-                "server": kind + (" --batch" if batching else ""),
-                "workers": args.workers if kind == "precompile" else 1,
-                **level,
-            }
-            rows.append(row)
-            print(format_row(row), flush=True)
+        wait_ready(server)
+        for protocol in protocols:
+            port = server.port(protocol)
+            if port is None:
+                continue
+            request = (
+                infer_request(manifest, sizes, port) if protocol == "http" else grpc_infer_request(manifest, sizes)
+            )
+            for c in args.concurrency:
+                before = batch_counts(server, manifest["name"])
+                level = run_level(
+                    protocol,
+                    port,
+                    server.process.pid,
+                    request,
+                    c,
+                    args.client_procs,
+                    args.requests,
+                    args.seconds,
+                    args.warmup,
+                )
+                level.update(batches_between(before, batch_counts(server, manifest["name"]), batching))
+                row = {"server": server.label, "workers": server.workers, **level}
+                rows.append(row)
+                print(format_row(row), flush=True)
     finally:
         stop_server(server)
     return rows
@@ -417,12 +633,15 @@ def format_row(r: dict) -> str:
     p50 = f"{r['p50_ms']:.1f}" if r["p50_ms"] is not None else "-"
     p99 = f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-"
     return (
-        f"  {r['server']:<20} {r['concurrency']:>4} {r['rps']:>8.1f} {p50:>8} {p99:>8} {batch:>6} "
+        f"  {r['server']:<20} {r['protocol']:<5} {r['concurrency']:>4} {r['rps']:>8.1f} {p50:>8} {p99:>8} {batch:>6} "
         f"{client:>7} {server:>7} {r['requests']:>7} {r['errors']:>4}"
     )
 
 
-HEADER = f"  {'server':<20} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} {'client':>7} {'server':>7} {'reqs':>7} {'err':>4}"
+HEADER = (
+    f"  {'server':<20} {'proto':<5} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} "
+    f"{'client':>7} {'server':>7} {'reqs':>7} {'err':>4}"
+)
 
 
 def build_case(case: str, work: Path) -> tuple[Path, Path]:
@@ -437,9 +656,9 @@ def build_case(case: str, work: Path) -> tuple[Path, Path]:
 
 
 def target_line(rows: list[dict]) -> str | None:
-    """The issue's target for short MiniLM requests: at 16 clients, batching ≥ 3× the unbatched
-    requests/s, with p99 no worse than 2× the unbatched p99 at concurrency 1."""
-    by = {(r["server"], r["concurrency"]): r for r in rows}
+    """Issue 14's target for short MiniLM requests (over HTTP): at 16 clients, batching ≥ 3× the
+    unbatched requests/s, with p99 no worse than 2× the unbatched p99 at concurrency 1."""
+    by = {(r["server"], r["concurrency"]): r for r in rows if r["protocol"] == "http"}
     plain16, batched16 = by.get(("precompile", 16)), by.get(("precompile --batch", 16))
     plain1, batched1 = by.get(("precompile", 1)), by.get(("precompile --batch", 1))
     if (
@@ -456,6 +675,30 @@ def target_line(rows: list[dict]) -> str | None:
         f"target: with 16 clients --batch serves {speedup:.2f}× the unbatched req/s (want ≥ 3×); at concurrency 1 "
         f"its p99 is {p99:.2f}× the unbatched p99 (want ≤ 2×): {'met' if met else 'NOT met'}"
     )
+
+
+def peer_lines(rows: list[dict]) -> list[str]:
+    """Issue 24's target, per protocol: at 16 clients ``precompile --batch`` serves at least 3× the
+    unbatched single-client rate, and at least what Triton's dynamic batcher serves in the same run."""
+    by = {(r["server"], r["protocol"], r["concurrency"]): r for r in rows}
+    lines = []
+    for protocol in dict.fromkeys(r["protocol"] for r in rows):
+        batched16, plain1 = by.get(("precompile --batch", protocol, 16)), by.get(("precompile", protocol, 1))
+        triton16 = by.get(("triton", protocol, 16))
+        if not batched16 or not (plain1 or triton16):
+            continue
+        parts, met = [], True
+        if plain1 and plain1["rps"]:
+            parts.append(f"{batched16['rps'] / plain1['rps']:.2f}× the unbatched single-client req/s (want ≥ 3×)")
+            met &= batched16["rps"] >= 3 * plain1["rps"]
+        if triton16 and triton16["rps"]:
+            parts.append(f"{batched16['rps'] / triton16['rps']:.2f}× Triton's dynamic batcher (want ≥ 1×)")
+            met &= batched16["rps"] >= triton16["rps"]
+        if parts:
+            lines.append(
+                f"target ({protocol}): with 16 clients --batch serves {' and '.join(parts)}: {'met' if met else 'NOT met'}"
+            )
+    return lines
 
 
 def main() -> None:
@@ -478,7 +721,23 @@ def main() -> None:
     parser.add_argument(
         "--workers", type=int, default=1, help="precompile serve --workers (the eager server is one process)"
     )
-    parser.add_argument("--servers", nargs="+", default=["precompile", "precompile --batch", "eager", "eager --batch"])
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        choices=SERVERS,
+        default=list(SERVERS),
+        help="the servers to measure, one after the other",
+    )
+    parser.add_argument(
+        "--protocol",
+        nargs="+",
+        choices=["http", "grpc"],
+        default=["http", "grpc"],
+        help="what the clients speak (each server is measured over each it serves)",
+    )
+    parser.add_argument(
+        "--triton-instances", type=int, default=1, help="Triton model instances (precompile export triton --instances)"
+    )
     parser.add_argument(
         "--work", type=Path, default=ROOT / "bench" / "work" / "serve_load", help="where cases are built"
     )
@@ -490,13 +749,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-args", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the Triton export loads the artifact here
     if args.eager_server:
         eager_server(args.eager_server, str(args.profile), args.port, args.serve_args)
         return
     if args.smoke:
         args.concurrency, args.seconds, args.requests, args.warmup = [1, 4], 2.0, 400, 1
-    if args.artifact is not None and (args.profile is None or args.shape is None):
-        parser.error("--artifact needs --profile and --shape")
+    if args.artifact is not None and args.shape is None:
+        parser.error("--artifact needs --shape")
+    if args.artifact is not None and args.profile is None and any(s.startswith("eager") for s in args.servers):
+        parser.error("--artifact with an eager server needs --profile (the profile the artifact was built from)")
 
     cases = (
         [("custom", args.artifact, args.profile)]
@@ -505,12 +767,24 @@ def main() -> None:
     )
     report = {
         "machine": {"cores": os.cpu_count(), "platform": sys.platform, "python": sys.version.split()[0]},
-        "load_generator": "bench/serve_load.py: closed-loop asyncio clients, plain HTTP/1.1 keep-alive, OIP binary tensors",
+        "load_generator": "bench/serve_load.py: closed-loop asyncio clients, one connection each: HTTP/1.1 keep-alive "
+        "with OIP binary tensors, or a grpc.aio channel with a pre-serialized ModelInferRequest (raw contents)",
         "settings": {
             k: v
             for k, v in vars(args).items()
             if k
-            in ("concurrency", "requests", "seconds", "warmup", "client_procs", "max_delay_ms", "max_batch", "workers")
+            in (
+                "concurrency",
+                "requests",
+                "seconds",
+                "warmup",
+                "client_procs",
+                "max_delay_ms",
+                "max_batch",
+                "workers",
+                "protocol",
+                "triton_instances",
+            )
         },
         "cases": {},
     }
@@ -520,14 +794,23 @@ def main() -> None:
         sizes = {d: int(n) for d, n in sizes.items()}
         print(f"[{name}] {artifact}: request {sizes}, {os.cpu_count()} cores; client/server: cores used")
         print(HEADER)
+        work = args.work / name
+        work.mkdir(parents=True, exist_ok=True)
         rows = []
         for server in args.servers:
-            kind, batching = server.split()[0], server.endswith("--batch")
-            rows += run_server(kind, batching, artifact, profile, manifest, sizes, args)
+            kind, batching = server.split()[0], server.endswith("--batch") or server == "triton"
+            rows += run_server(kind, batching, artifact, profile, manifest, sizes, args.protocol, work, args)
         line = target_line(rows)
-        if line:
-            print(f"  {line}")
-        report["cases"][name] = {"artifact": str(artifact), "request": sizes, "rows": rows, "target": line}
+        peers = peer_lines(rows)
+        for text in filter(None, [line, *peers]):
+            print(f"  {text}")
+        report["cases"][name] = {
+            "artifact": str(artifact),
+            "request": sizes,
+            "rows": rows,
+            "target": line,
+            "peer_targets": peers,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

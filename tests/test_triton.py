@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sysconfig
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRITON = ROOT / ".triton"
 SERVER = TRITON / "pytriton" / "tritonserver"
 NAME = "tiny-tagger"
+UNSIGNED = "tiny-tagger-unsigned"  # the tagger under another name, its signature removed after export
 OUTPUTS = ("output.0", "output.1")
 
 
@@ -65,32 +65,28 @@ def repo(tagger_build, structured_artifact, tmp_path_factory) -> Path:
 
 
 class Server:
-    """`tritonserver` on loopback ports, in a process group of its own (stopped as a group)."""
+    """`tritonserver` on loopback ports, in a process group of its own (stopped as a group).
+    ``options``: more tritonserver flags."""
 
-    def __init__(self, repo: Path, log: Path, cache: Path):
+    def __init__(self, repo: Path, log: Path, cache: Path, *options: str):
+        from precompile.ship.triton import tritonserver_command
+
         self.http, self.grpc = free_port(), free_port()
-        site_packages = sysconfig.get_paths()["purelib"]  # this venv's: loader's torch and numpy
-        env = dict(
-            os.environ,
-            OMP_WAIT_POLICY="PASSIVE",
-            PRECOMPILE_CACHE=str(cache),  # where the stub unpacks the pack
-            LD_LIBRARY_PATH=os.pathsep.join(
-                filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")])
-            ),
-            PYTHONPATH=os.pathsep.join([str(TRITON / "stub-site"), str(ROOT), site_packages]),
+        command, env = tritonserver_command(
+            repo,
+            server=SERVER,
+            stub_site=TRITON / "stub-site",
+            http_port=self.http,
+            grpc_port=self.grpc,
+            options=["--allow-metrics", "false", "--exit-timeout-secs", "5", *options],
         )
+        env["PRECOMPILE_CACHE"] = str(cache)  # where the stub unpacks packs
+        env["PRECOMPILE_STATE"] = str(cache.parent / "state")  # the rollback ledger
         self.log = log
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                [
-                    str(SERVER / "bin" / "tritonserver"), "--model-repository", str(repo),
-                    "--backend-directory", str(SERVER / "backends"),
-                    "--http-address", "127.0.0.1", "--http-port", str(self.http),
-                    "--grpc-address", "127.0.0.1", "--grpc-port", str(self.grpc),
-                    "--allow-metrics", "false", "--exit-timeout-secs", "5",
-                ],
-                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )  # fmt: skip
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -323,3 +319,201 @@ def test_link_symlinks_the_artifact(tagger_build, tmp_path):
     assert result.exit_code == 0, result.output
     artifact = tmp_path / "repo" / NAME / "1" / "artifact"
     assert artifact.is_symlink() and artifact.resolve() == Path(tagger_build.path).resolve()
+
+
+# --- the trust policy: checked at export, written into config.pbtxt, applied again by model.py ---
+
+
+@pytest.fixture(scope="module")
+def other_key(tmp_path_factory) -> tuple[Path, Path]:
+    """A second key pair: a signature by it is not one by the trusted key."""
+    from precompile.ship.sign import keygen
+
+    private, public, _ = keygen(tmp_path_factory.mktemp("other-key") / "other")
+    return private, public
+
+
+@pytest.fixture(scope="module")
+def trusted_repo(tagger_build, structured_artifact, signing_keys, other_key, tmp_path_factory) -> Path:
+    """Exported with --trusted-key, everything signed by it: the tagger as a pack (version 1) and a
+    folder (version 2), the structured model, and the tagger once more under another name. Then, as
+    if replaced in the repository after the export, the structured model is signed by another key
+    and the renamed tagger loses its signature."""
+    from precompile.ship.pack import pack
+    from precompile.ship.sign import sign
+
+    folder = tmp_path_factory.mktemp("triton-trust")
+    v1 = pack(tagger_build.path, folder / "tagger-v1.tar.zst")
+    v2 = artifact_version(tagger_build.path, folder / "tagger-v2", 2)
+    structured = folder / "structured"
+    shutil.copytree(structured_artifact, structured)
+    renamed = folder / "renamed"
+    shutil.copytree(tagger_build.path, renamed)
+    manifest = json.loads((renamed / "manifest.json").read_text())
+    manifest["name"] = UNSIGNED  # the manifest lists the other files, not itself: they still match
+    (renamed / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    for artifact in (v1, v2, structured, renamed):
+        sign(artifact, signing_keys[0])
+    out = folder / "repo"
+    result = export(
+        *map(str, (v1, v2, structured, renamed)),
+        "-o",
+        str(out),
+        "--trusted-key",
+        str(signing_keys[1]),
+        "--min-version",
+        "1",
+    )
+    assert result.exit_code == 0, result.output
+    sign(out / "tiny-structured" / "1" / "artifact", other_key[0])
+    (out / UNSIGNED / "1" / "artifact" / "signature.json").unlink()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trusted_server(trusted_repo, tmp_path_factory):
+    if not (SERVER / "bin" / "tritonserver").exists():
+        pytest.skip("no tritonserver in .triton/: run scripts/fetch-triton (make triton)")
+    folder = tmp_path_factory.mktemp("triton-trust-server")
+    # A model that fails to load must not stop the server (Triton exits on it by default).
+    s = Server(trusted_repo, folder / "tritonserver.log", folder / "cache", "--exit-on-error", "false")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def parameters(config: str) -> dict[str, object]:
+    """config.pbtxt's load.* parameters, their JSON values decoded."""
+    import re
+
+    found = re.findall(r'\{ key: "(load\.[a-z_]+)", value: \{ string_value: "((?:[^"\\]|\\.)*)" \} \}', config)
+    return {key: json.loads(value.encode().decode("unicode_escape")) for key, value in found}
+
+
+def test_the_config_carries_the_trust_policy(trusted_repo, signing_keys):
+    from cryptography.hazmat.primitives import serialization
+
+    pem = serialization.load_pem_public_key(signing_keys[1].read_bytes())
+    openssh = pem.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    for name in (NAME, "tiny-structured", UNSIGNED):
+        assert parameters((trusted_repo / name / "config.pbtxt").read_text()) == {
+            "load.trusted_keys": [openssh],  # the key itself: the repository needs no key file
+            "load.min_version": 1,
+            "load.refuse_rollback": False,
+            "load.verify": True,
+            "load.precision": "auto",
+        }
+
+
+def test_the_default_policy_is_written_too(repo):
+    assert parameters((repo / NAME / "config.pbtxt").read_text()) == {
+        "load.trusted_keys": None,
+        "load.min_version": None,
+        "load.refuse_rollback": False,
+        "load.verify": True,
+        "load.precision": "auto",
+    }
+
+
+def test_precision_and_no_verify_are_written_as_given(tagger_build, tmp_path):
+    result = export(str(tagger_build.path), "-o", str(tmp_path / "repo"), "--precision", "fp32", "--no-verify")
+    assert result.exit_code == 0, result.output
+    written = parameters((tmp_path / "repo" / NAME / "config.pbtxt").read_text())
+    assert written["load.precision"] == "fp32" and written["load.verify"] is False
+
+
+def repository_index(server: Server) -> dict[tuple[str, str], dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http}/v2/repository/index", data=b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return {(m["name"], m.get("version", "")): m for m in json.loads(r.read())}
+
+
+def test_triton_serves_the_signed_version_and_refuses_the_rest(trusted_server, references):
+    """In Triton, model.py applies the exported policy: the model signed by another key and the
+    unsigned one are UNAVAILABLE with the loader's reason, and Triton serves on with the rest.
+    (Triton 2.51 loads a model's versions all or none: one refused version fails its model.)"""
+    import tritonclient.http as httpclient
+
+    index = repository_index(trusted_server)
+    assert index[(NAME, "1")]["state"] == index[(NAME, "2")]["state"] == "READY"
+    assert index[("tiny-structured", "1")]["state"] == "UNAVAILABLE"
+    assert "signed by key" in index[("tiny-structured", "1")]["reason"]
+    assert "which is not trusted here" in index[("tiny-structured", "1")]["reason"]
+    assert index[(UNSIGNED, "1")]["state"] == "UNAVAILABLE"
+    assert "not signed, and this loader only accepts artifacts signed by key(s)" in index[(UNSIGNED, "1")]["reason"]
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{trusted_server.http}")
+    assert not client.is_model_ready("tiny-structured") and not client.is_model_ready(UNSIGNED)
+    ids, mask = sample(2, 9, seed=11)
+    for version in ("1", "2"):
+        for got, want in zip(call(httpclient, client, ids, mask, version=version), references(ids, mask)[1]):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert trusted_server.process.poll() is None
+
+
+def test_an_artifact_the_policy_refuses_is_not_exported(tagger_build, signing_keys, tmp_path):
+    result = export(str(tagger_build.path), "-o", str(tmp_path / "repo"), "--trusted-key", str(signing_keys[1]))
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {tagger_build.path}: not signed"), result.output
+    assert not (tmp_path / "repo").exists()
+    result = export(str(tagger_build.path), "-o", str(tmp_path / "repo"), "--min-version", "2")
+    assert result.exit_code == 1
+    assert "tiny-tagger is version 1, older than the minimum 2 asked for" in result.output
+    assert not (tmp_path / "repo").exists()
+
+
+def test_options_that_contradict_each_other_are_refused(tagger_build, signing_keys, tmp_path):
+    v2 = artifact_version(tagger_build.path, tmp_path / "v2", 2)
+    result = export(str(tagger_build.path), str(v2), "-o", str(tmp_path / "repo"), "--refuse-rollback")
+    assert result.exit_code == 1
+    assert "--refuse-rollback would refuse all but the newest" in result.output
+    result = export(
+        str(tagger_build.path), "-o", str(tmp_path / "repo"), "--trusted-key", str(signing_keys[1]), "--no-verify"
+    )
+    assert result.exit_code == 1
+    assert "--no-verify skips the sha256 checks a signature relies on" in result.output
+    assert not (tmp_path / "repo").exists()
+
+
+# --- the serving bench's Triton method (bench/serve_load.py), bounded: one level, two seconds ---
+
+
+def test_the_serving_bench_runs_triton_and_our_server_over_http_and_grpc(tagger_build, tmp_path):
+    """`python -m bench.serve_load --servers triton precompile`: Triton serves the exported artifact
+    with its dynamic batcher over both protocols, answering every request; our server over HTTP, and
+    over gRPC where `precompile serve` has --grpc-port (else a line says the rows are skipped)."""
+    import sys
+
+    from bench.serve_load import serves_grpc
+
+    if not (SERVER / "bin" / "tritonserver").exists():
+        pytest.skip("no tritonserver in .triton/: run scripts/fetch-triton (make triton)")
+    out = tmp_path / "serve_load.json"
+    command = [
+        sys.executable, "-m", "bench.serve_load", "--artifact", str(tagger_build.path), "--shape", "batch=1,seq=16",
+        "--servers", "triton", "precompile", "--protocol", "http", "grpc", "--concurrency", "3",
+        "--seconds", "2", "--requests", "60", "--warmup", "1", "--client-procs", "1",
+        "--work", str(tmp_path / "work"), "--out", str(out),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["cases"]["custom"]["rows"]
+    measured = {(r["server"], r["protocol"]): r for r in rows}
+    grpc = serves_grpc()
+    expected = {("triton", "http"), ("triton", "grpc"), ("precompile", "http")} | (
+        {("precompile", "grpc")} if grpc else set()
+    )
+    assert set(measured) == expected, result.stdout
+    if not grpc:
+        assert "precompile: gRPC rows skipped: `precompile serve` has no --grpc-port here" in result.stdout
+    for row in measured.values():
+        assert row["requests"] >= 3 and row["errors"] == 0, row
+        assert row["server_cores"] is not None and row["server_cores"] > 0, row
+    for protocol in ("http", "grpc"):
+        triton = measured[("triton", protocol)]
+        # Triton's statistics: every timed request counted in a batch of Triton's dynamic batcher
+        assert triton["batches"] >= 1 and triton["mean_batch"] >= 1, triton
+        assert sum(triton["batch_sizes"].values()) == triton["batches"], triton

@@ -59,6 +59,35 @@ def artifact_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
+def trust_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of a command that hands an artifact to ``loader.load()`` (`serve`, `export
+    triton`): the trust policy (signatures, minimum version, the rollback ledger, hash checks) and
+    the precision served. Parameters: trusted_keys, min_version, refuse_rollback, no_verify, precision."""
+    fn = click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")(fn)
+    fn = click.option(
+        "--precision",
+        type=click.Choice(["auto", "fp32", "bf16", "int8"]),
+        default="auto",
+        show_default=True,
+        help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.",
+    )(fn)
+    fn = click.option(
+        "--refuse-rollback",
+        is_flag=True,
+        help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).",
+    )(fn)
+    fn = click.option(
+        "--min-version", type=click.IntRange(min=0), help="Refuse artifact versions below N, at every load."
+    )(fn)
+    return click.option(
+        "--trusted-key",
+        "trusted_keys",
+        multiple=True,
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="Load only artifacts signed by this public key (repeatable), at every load.",
+    )(fn)
+
+
 # What each extra adds that commands import, by import name (pyproject.toml names the distributions;
 # tests/test_install.py keeps the two in step).
 EXTRA_MODULES = {

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import click
 
-from . import main, user_errors
+from . import main, trust_options, user_errors
 
 
 @main.group()
@@ -35,17 +35,40 @@ def export() -> None:
     show_default=True,
     help="How long Triton's dynamic batcher waits for batch-mates.",
 )
+@trust_options
 @user_errors
-def triton(artifacts: tuple[Path, ...], repo: Path, link: bool, instances: int, max_queue_delay_us: int) -> None:
+def triton(
+    artifacts: tuple[Path, ...],
+    repo: Path,
+    link: bool,
+    instances: int,
+    max_queue_delay_us: int,
+    trusted_keys: tuple[Path, ...],
+    min_version: int | None,
+    refuse_rollback: bool,
+    no_verify: bool,
+    precision: str,
+) -> None:
     """Write a Triton Inference Server model repository serving ARTIFACTS (folders or packs).
 
     One model per manifest name, one version folder per artifact (its manifest version), each with a
-    Python-backend model.py that serves it with loader.load(). Run it with
+    Python-backend model.py that serves it with loader.load(). The trust options are checked here and
+    written into config.pbtxt, so that model.py applies them in Triton too. Run it with
     `tritonserver --model-repository REPO` (README: "Serving in Triton Inference Server").
     """
-    from ..ship.triton import export_triton
+    from ..ship.triton import LoadOptions, export_triton
 
-    for model in export_triton(artifacts, repo, link=link, instances=instances, max_queue_delay_us=max_queue_delay_us):
+    load = LoadOptions.of(
+        trusted_keys=trusted_keys,
+        min_version=min_version,
+        refuse_rollback=refuse_rollback,
+        verify=not no_verify,
+        precision=precision,
+    )
+    models = export_triton(
+        artifacts, repo, link=link, instances=instances, max_queue_delay_us=max_queue_delay_us, load=load
+    )
+    for model in models:
         c = model.config
         batching = f"max_batch_size {c.max_batch_size}" if c.max_batch_size else f"not batched ({c.unbatched})"
         preferred = f", preferred batch sizes {list(c.preferred_batch_sizes)}" if c.preferred_batch_sizes else ""

@@ -16,28 +16,39 @@ axis 0 only), with ``dynamic_batching`` preferring the static variants' batch si
 and the batch dim stays in the dims. Output dtypes and fixed sizes come from one call at the
 smallest shape, so the artifact must load on this host. Anything Triton cannot describe is refused
 before anything is written; the repository appears whole or not at all.
+
+The trust and precision options (``LoadOptions``: trusted keys, minimum version, the rollback
+ledger, hash checks, precision) are applied twice: at export, so that an artifact the policy refuses
+is never written, and by ``model.py`` in Triton, which reads them from ``config.pbtxt`` parameters
+``load.<keyword>`` (JSON values, passed to ``loader.load`` as they are), so that an artifact
+replaced in the repository later is refused there too: that model is UNAVAILABLE, the others serve.
+Trusted keys are written as their OpenSSH text (public keys), so the repository needs no key files.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import loader
 from loader.batch_plan import batch_plan
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
+from loader.precision import REQUESTS
+from loader.trust import public_keys
 
 from ..errors import PrecompileError
 
 MODEL_FILE = Path(__file__).with_name("triton_model.py")  # copied as each version's model.py
 ARTIFACT_NAME = "artifact"  # the artifact's name inside a version folder (packs keep their suffixes)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+LOAD_PARAMETER = "load."  # config.pbtxt parameters load.<keyword>: loader.load's keyword arguments, JSON
 
 DATA_TYPES = {
     "bool": "TYPE_BOOL",
@@ -54,6 +65,56 @@ DATA_TYPES = {
 
 class TritonExportError(PrecompileError):
     """An artifact Triton cannot describe, or a repository that cannot be written."""
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What ``model.py`` passes to ``loader.load()`` in Triton: ``precompile serve``'s trust and
+    precision options (``--trusted-key``, ``--min-version``, ``--refuse-rollback``, ``--no-verify``,
+    ``--precision``). Build one with ``LoadOptions.of``, which reads and checks the keys."""
+
+    trusted_keys: tuple[str, ...] | None = None  # OpenSSH text of each Ed25519 public key
+    min_version: int | None = None
+    refuse_rollback: bool = False  # the ledger of $PRECOMPILE_STATE in Triton's environment
+    verify: bool = True
+    precision: str = "auto"
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        trusted_keys: Iterable[str | os.PathLike] = (),
+        min_version: int | None = None,
+        refuse_rollback: bool = False,
+        verify: bool = True,
+        precision: str = "auto",
+    ) -> LoadOptions:
+        """The options, keys read from their files (PEM or OpenSSH); TritonExportError when they
+        contradict each other."""
+        keys = list(trusted_keys)
+        if keys and not verify:
+            raise TritonExportError(
+                "--no-verify skips the sha256 checks a signature relies on; drop it or --trusted-key"
+            )
+        if precision not in REQUESTS:
+            raise TritonExportError(f"--precision {precision}: expected one of {', '.join(REQUESTS)}")
+        return cls(
+            trusted_keys=tuple(_openssh(k.raw) for k in public_keys(keys)) if keys else None,
+            min_version=min_version,
+            refuse_rollback=refuse_rollback,
+            verify=verify,
+            precision=precision,
+        )
+
+    def kwargs(self) -> dict:
+        """loader.load's keyword arguments."""
+        options = asdict(self)
+        options["trusted_keys"] = list(self.trusted_keys) if self.trusted_keys is not None else None
+        return options
+
+    def parameters(self) -> dict[str, str]:
+        """config.pbtxt's parameters: ``load.<keyword>`` and its value as JSON."""
+        return {LOAD_PARAMETER + k: json.dumps(v) for k, v in self.kwargs().items()}
 
 
 @dataclass(frozen=True)
@@ -76,6 +137,7 @@ class ModelConfig:
     max_queue_delay_us: int = 2000
     unbatched: str = ""
     versions: tuple[int, ...] = ()
+    load: LoadOptions = field(default_factory=LoadOptions)
 
     def to_pbtxt(self) -> str:
         lines = [
@@ -94,6 +156,13 @@ class ModelConfig:
                 lines.append(f"  preferred_batch_size: [ {preferred} ]")
             lines += [f"  max_queue_delay_microseconds: {self.max_queue_delay_us}", "}"]
         lines.append(f"instance_group [ {{ kind: KIND_CPU, count: {self.instances} }} ]")
+        lines.append("# loader.load()'s keyword arguments in model.py (JSON values): the trust policy")
+        parameters = list(self.load.parameters().items())
+        lines.append("parameters [")
+        for i, (key, value) in enumerate(parameters):
+            comma = "," if i < len(parameters) - 1 else ""
+            lines.append(f"  {{ key: {_quote(key)}, value: {{ string_value: {_quote(value)} }} }}{comma}")
+        lines.append("]")
         if len(self.versions) > 1:
             versions = ", ".join(str(v) for v in self.versions)
             lines.append(f"version_policy: {{ specific: {{ versions: [ {versions} ] }} }}")
@@ -109,9 +178,17 @@ class Model:
     versions: tuple[Path, ...]
 
 
-def describe(artifact: str | os.PathLike, *, instances: int = 1, max_queue_delay_us: int = 2000) -> ModelConfig:
-    """The Triton config of one artifact (loaded here: its outputs are found by one call)."""
-    model = loader.load(artifact)
+def describe(
+    artifact: str | os.PathLike,
+    *,
+    instances: int = 1,
+    max_queue_delay_us: int = 2000,
+    load: LoadOptions | None = None,
+) -> ModelConfig:
+    """The Triton config of one artifact (loaded here with ``load``'s policy, minus the rollback
+    ledger, which only the serving host keeps: its outputs are found by one call)."""
+    load = load or LoadOptions()
+    model = loader.load(artifact, **{**load.kwargs(), "refuse_rollback": False})
     m = model.manifest
     where = f"{artifact}"
     if not NAME.fullmatch(m.name):
@@ -166,6 +243,7 @@ def describe(artifact: str | os.PathLike, *, instances: int = 1, max_queue_delay
         max_queue_delay_us=max_queue_delay_us,
         unbatched=unbatched if batch is None else "",
         versions=(m.version,),
+        load=load,
     )
 
 
@@ -176,10 +254,13 @@ def export_triton(
     link: bool = False,
     instances: int = 1,
     max_queue_delay_us: int = 2000,
+    load: LoadOptions | None = None,
 ) -> list[Model]:
     """Write a Triton model repository at ``repo`` (absent or empty) serving ``artifacts``: one model
     per manifest name, one version folder per artifact. ``link`` symlinks each artifact instead of
-    copying it. Raises TritonExportError, with nothing written, for anything Triton cannot serve."""
+    copying it; ``load`` is the trust policy applied here and by model.py. Raises TritonExportError
+    (or the loader's UntrustedArtifactError), with nothing written, for anything Triton cannot or
+    must not serve."""
     repo = Path(repo)
     if repo.exists() and (not repo.is_dir() or any(repo.iterdir())):
         raise TritonExportError(f"{repo}: exists and is not an empty folder; give a new or empty one")
@@ -188,7 +269,7 @@ def export_triton(
     grouped: dict[str, list[tuple[Path, ModelConfig]]] = {}
     for artifact in artifacts:
         path = Path(artifact)
-        config = describe(path, instances=instances, max_queue_delay_us=max_queue_delay_us)
+        config = describe(path, instances=instances, max_queue_delay_us=max_queue_delay_us, load=load)
         grouped.setdefault(config.name, []).append((path, config))
     if not grouped:
         raise TritonExportError("no artifact given")
@@ -219,6 +300,11 @@ def _one_config(name: str, entries: list[tuple[Path, ModelConfig]]) -> ModelConf
                 f"{path}: {name!r} version {version} is also {seen[version]}; give each version once"
             )
         seen[version] = path
+        if config.load.refuse_rollback and len(entries) > 1:
+            raise TritonExportError(
+                f"{path}: {name!r} has {len(entries)} versions and --refuse-rollback would refuse all but the newest "
+                "in Triton (which loads them side by side); export one version or drop --refuse-rollback"
+            )
         if (config.inputs, config.outputs, config.max_batch_size) != (
             first.inputs,
             first.outputs,
@@ -311,4 +397,55 @@ def _tensors(kind: str, tensors: tuple[TensorConfig, ...]) -> list[str]:
 
 
 def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _openssh(raw: bytes) -> str:
+    """An Ed25519 public key's OpenSSH text (one line: fits a config.pbtxt string as it is)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    return (
+        Ed25519PublicKey.from_public_bytes(raw)
+        .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        .decode()
+    )
+
+
+def tritonserver_command(
+    repo: str | os.PathLike,
+    *,
+    server: str | os.PathLike,
+    stub_site: str | os.PathLike | None = None,
+    http_port: int,
+    grpc_port: int,
+    options: Iterable[str] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``tritonserver`` (under ``server``: its ``bin/``
+    and ``backends/``, as scripts/fetch-triton unpacks them) on loopback over ``repo``, with the
+    Python backend's stub able to import ``loader`` as this interpreter does: this Python's
+    libpython on LD_LIBRARY_PATH, and PYTHONPATH (which model.py adds to sys.path) holding a numpy
+    < 2 first (``stub_site``), then this project and this environment's site-packages. ``options``
+    are further tritonserver flags."""
+    import sysconfig
+
+    server = Path(server)
+    project = Path(__file__).resolve().parents[2]
+    path = [str(stub_site)] if stub_site is not None else []
+    path += [str(project), sysconfig.get_paths()["purelib"]]
+    env = dict(
+        os.environ,
+        OMP_WAIT_POLICY="PASSIVE",
+        LD_LIBRARY_PATH=os.pathsep.join(
+            filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")])
+        ),
+        PYTHONPATH=os.pathsep.join(path),
+    )
+    command = [
+        str(server / "bin" / "tritonserver"), "--model-repository", str(repo),
+        "--backend-directory", str(server / "backends"),
+        "--http-address", "127.0.0.1", "--http-port", str(http_port),
+        "--grpc-address", "127.0.0.1", "--grpc-port", str(grpc_port),
+        *options,
+    ]  # fmt: skip
+    return command, env

@@ -9,6 +9,12 @@ above 0), the requests of equal shape run as one call and their outputs are cut 
 Inputs and outputs pass between numpy and torch without copies (``torch.from_numpy``,
 ``Tensor.numpy()``); only joining requests into one call copies.
 
+``loader.load()`` gets the keyword arguments that ``config.pbtxt`` parameters ``load.<keyword>`` hold
+as JSON (the export writes the trust policy there: trusted keys, minimum version, rollback ledger,
+hash checks, precision). An artifact the policy refuses fails this version's load with the loader's
+one-line reason: Triton marks the model UNAVAILABLE (it loads a model's versions all or none)
+and serves its other models.
+
 The backend stub embeds Python started with -E, so it ignores PYTHONPATH: this file adds PYTHONPATH's
 entries to ``sys.path`` itself (first, in order), so that ``loader``, torch and numpy resolve as they
 would for ``python`` started beside the server. The stub needs numpy < 2 (it reads arrays through
@@ -35,6 +41,8 @@ _use_pythonpath()
 import numpy as np  # noqa: E402  (after sys.path holds PYTHONPATH)
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from loader.errors import first_line  # noqa: E402  (neither torch nor numpy: `import loader` imports them lazily)
+
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -57,7 +65,11 @@ class TritonPythonModel:
         found = sorted(p for p in version.iterdir() if p.name == "artifact" or p.name.startswith("artifact."))
         if not found:
             raise pb_utils.TritonModelException(f"{version}: no artifact in the version folder")
-        self.model = loader.load(found[0])
+        options = _load_options(config, loader.load)
+        try:
+            self.model = loader.load(found[0], **options)
+        except loader.LoaderError as e:
+            raise pb_utils.TritonModelException(f"precompile: {first_line(e)}") from None
         self.inputs = self.model.input_names
         self.outputs = output_names(self.model.manifest.output)
         self.batched = int(config.get("max_batch_size", 0)) > 0
@@ -125,6 +137,28 @@ class TritonPythonModel:
         )
 
 
+def _load_options(config: dict, load) -> dict:
+    """loader.load's keyword arguments from the parameters ``load.<keyword>`` (JSON values)."""
+    import inspect
+
+    known = set(inspect.signature(load).parameters) - {"path"}
+    options = {}
+    for key, value in config.get("parameters", {}).items():
+        if not key.startswith("load."):
+            continue
+        name = key[len("load.") :]
+        if name not in known:
+            raise pb_utils.TritonModelException(
+                f"config.pbtxt parameter {key!r}: loader.load has no option {name!r} (options: {', '.join(sorted(known))})"
+            )
+        try:
+            options[name] = json.loads(value["string_value"])
+        except (KeyError, TypeError, ValueError):
+            raise pb_utils.TritonModelException(
+                f"config.pbtxt parameter {key!r}: expected a JSON string_value, got {value!r}"
+            ) from None
+    return options
+
+
 def _error(e: Exception, code):
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(text, code))
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(first_line(e), code))
