@@ -15,11 +15,12 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from loader import Live
+from loader.threads import cpu_allowance
 from precompile.cli import main
 from precompile.serve.app import create_app
 from precompile.serve.config import ServeConfig
 from precompile.serve.grpc_service import GrpcServer, ServiceModels
-from precompile.serve.instances import Instances, InstancesFull
+from precompile.serve.instances import Instances, InstancesFull, default_count
 from tests.test_serve import AppClient, served_config  # noqa: F401 (a fixture)
 from tests.test_serve_load import DEADLINE, free_port
 
@@ -41,6 +42,14 @@ def test_each_instance_owns_its_share_of_the_threads():
         instances.close()
     assert {threads for _, threads in seen} == {2}  # 4 threads split between 2 instances
     assert torch.get_num_threads() == before  # the caller's team is its own
+
+
+def test_the_default_count_is_what_the_workers_share_of_the_cpus_can_feed():
+    cpus = cpu_allowance().cpus
+    assert default_count(threads=1) == cpus  # one single-threaded instance per CPU
+    assert default_count(threads=cpus) == 1  # one team as wide as the CPUs
+    assert default_count(workers=cpus, threads=1) == 1  # each worker's share is one CPU
+    assert default_count(threads=4 * cpus) == 1  # at least one
 
 
 def test_a_call_beyond_the_queue_is_refused_at_once_and_the_others_run():

@@ -5,6 +5,9 @@ landing on whichever accepted first; the gRPC port is shared the same way."""
 from __future__ import annotations
 
 import http.client
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -59,3 +62,29 @@ def test_two_workers_share_sixteen_keep_alive_connections(classifier_artifact):
             assert client.infer("tiny-classifier", [ids, mask]).as_numpy("output").shape[0] == 1
         finally:
             client.close()
+
+
+def test_a_port_in_use_is_one_line(classifier_artifact):
+    with socket.socket() as held:  # listening without SO_REUSEPORT: the workers cannot join it
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "precompile",
+                "serve",
+                str(classifier_artifact),
+                "--port",
+                str(port),
+                "--workers",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE * 2,
+        )
+    assert result.returncode == 1
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     type=click.IntRange(min=1),
     help=(
         "Without --batch: calls run at once per worker, the CPU threads split between them. "
-        "Default: what the CPUs can feed (the CPUs this process gets over OMP_NUM_THREADS, at least 1)."
+        "Default: what the CPUs can feed (each worker's share of the CPUs over OMP_NUM_THREADS, at least 1)."
     ),
 )
 @click.option(

@@ -45,12 +45,13 @@ class InstancesClosed(Exception):
         super().__init__("the server is stopping")
 
 
-def default_count(threads: int | None = None) -> int:
-    """The instances the CPUs this process gets can feed, each with a full OpenMP team: one per
-    ``threads`` CPUs (``threads``: torch's default, ``OMP_NUM_THREADS`` cut to the CPUs), at least one."""
+def default_count(*, workers: int = 1, threads: int | None = None) -> int:
+    """The instances this worker's share of the CPUs (those the process gets, over ``workers``) can
+    feed, each with a full OpenMP team of ``threads`` (default: torch's, ``OMP_NUM_THREADS`` cut to
+    the CPUs); at least one."""
     allowance = cpu_allowance()
     threads = threads if threads is not None else default_threads(allowance)
-    return max(1, allowance.cpus // max(1, threads))
+    return max(1, allowance.cpus // max(1, workers) // max(1, threads))
 
 
 class Instances:

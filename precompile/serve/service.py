@@ -51,7 +51,8 @@ class Service:
     def start(self) -> None:
         if self.batcher is None:  # calls run on a bounded number of execution instances, a queue in front
             self.instances = Instances(
-                count=self.config.instances or default_count(), queue_size=self.config.queue_size
+                count=self.config.instances or default_count(workers=self.config.workers),
+                queue_size=self.config.queue_size,
             )
         if self.config.record:
             self.recorder = TrafficRecorder(self.live, self.config.record, interval=self.config.record_interval)
