@@ -12,7 +12,7 @@ from pathlib import Path
 # What the build extra adds beyond the serve extra (pydantic is FastAPI's), by import name.
 BUILD_PACKAGES = ("yaml", "rich", "ruamel", "safetensors")
 # What the runtime alone (no extra) leaves out: the build side and the server with its CLI.
-NOT_RUNTIME = (*BUILD_PACKAGES, "pydantic", "click", "fastapi", "uvicorn", "prometheus_client")
+NOT_RUNTIME = (*BUILD_PACKAGES, "pydantic", "click", "fastapi", "uvicorn", "prometheus_client", "grpc")
 # What the CLI and the server may import of precompile: anything else is the build side.
 SERVING_MODULES = ("precompile.cli", "precompile.serve", "precompile.errors", "precompile.__main__")
 

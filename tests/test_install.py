@@ -95,7 +95,16 @@ def test_the_extras_mean_something(wheel):
     needs = requirements(metadata(wheel)[1])
     assert needs[None] == {"torch", "numpy"}  # the runtime alone
     assert needs["packs"] == {"zstandard", "cryptography"}
-    assert needs["serve"] == {"zstandard", "cryptography", "click", "fastapi", "uvicorn", "prometheus-client"}
+    assert needs["serve"] == {
+        "zstandard",
+        "cryptography",
+        "click",
+        "fastapi",
+        "uvicorn",
+        "prometheus-client",
+        "grpcio",
+        "protobuf",
+    }
     assert {"click", "pydantic", "pyyaml", "rich", "ruamel.yaml", "safetensors"} <= needs["build"]
     assert not needs["build"] & {"fastapi", "uvicorn"} and not needs["serve"] & {
         "pyyaml",

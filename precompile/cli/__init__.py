@@ -91,7 +91,7 @@ def trust_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 # What each extra adds that commands import, by import name (pyproject.toml names the distributions;
 # tests/test_install.py keeps the two in step).
 EXTRA_MODULES = {
-    "serve": ("fastapi", "uvicorn", "prometheus_client"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "grpc", "google.protobuf"),
     "build": ("pydantic", "yaml", "rich", "ruamel.yaml", "safetensors"),
 }
 

@@ -24,6 +24,27 @@ if TYPE_CHECKING:
     help="Server processes, each loading the artifact.",
 )
 @click.option(
+    "--grpc-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    help="Also serve the Open Inference Protocol over gRPC (KServe v2 GRPCInferenceService) on this port; 0: off.",
+)
+@click.option(
+    "--instances",
+    type=click.IntRange(min=1),
+    help=(
+        "Without --batch: calls run at once per worker, the CPU threads split between them. "
+        "Default: what the CPUs can feed (each worker's share of the CPUs over OMP_NUM_THREADS, at least 1)."
+    ),
+)
+@click.option(
+    "--queue-size",
+    type=click.IntRange(min=0),
+    default=256,
+    show_default=True,
+    help="Without --batch: calls waiting for an instance at most; more get HTTP 503 / gRPC UNAVAILABLE at once.",
+)
+@click.option(
     "--max-body-bytes",
     type=click.IntRange(min=1),
     help=(
@@ -127,6 +148,9 @@ def serve(
     host: str,
     port: int,
     workers: int,
+    grpc_port: int,
+    instances: int | None,
+    queue_size: int,
     max_body_bytes: int | None,
     allow_reload: bool,
     reload_root: Path | None,
@@ -166,11 +190,19 @@ def serve(
         batch=batch,
         max_batch=max_batch,
     )
+    if batch and (instances is not None or _given("queue_size")):
+        raise click.UsageError(
+            "--instances and --queue-size apply without --batch (the batcher runs one batch at a time; "
+            "its queue is --max-queue)"
+        )
+    if grpc_port and grpc_port == port:
+        raise click.UsageError(f"--grpc-port {grpc_port} is --port too: give gRPC a port of its own")
     manifest = _preflight(artifact, record, trusted_keys)
 
     from ..serve.codec import body_limit
     from ..serve.config import ServeConfig
     from ..serve.server import run
+    from ..serve.workers import PortTaken
 
     config = ServeConfig(
         artifact=str(artifact),
@@ -191,11 +223,19 @@ def serve(
         max_delay_ms=max_delay_ms,
         max_queue=max_queue,
         precision=precision,
+        instances=instances,
+        queue_size=queue_size,
+        grpc_port=grpc_port or None,
     )
+    if grpc_port:
+        _check_port(host, grpc_port, "--grpc-port")
     # uvicorn drains on SIGTERM, then raises it again against the handler it found: with this one, a
     # drain that a stop asked for (docker stop, a pod's termination) ends with status 0, not 143.
     signal.signal(signal.SIGTERM, _stopped)
-    run(config, host=host, port=port, workers=workers, log_level=log_level)
+    try:
+        run(config, host=host, port=port, workers=workers, log_level=log_level)
+    except PortTaken as e:
+        raise click.ClickException(f"--port {port}: {e}") from None
 
 
 def _check_combinations(
@@ -230,6 +270,17 @@ def _check_combinations(
         raise click.UsageError("--no-verify skips the sha256 checks a signature relies on; drop it or --trusted-key")
     if not batch and (max_batch is not None or _given("max_delay_ms") or _given("max_queue")):
         raise click.UsageError("--max-batch, --max-delay-ms and --max-queue apply with --batch only")
+
+
+def _check_port(host: str, port: int, option: str) -> None:
+    """Refuse a port this host cannot listen on now, before the server starts (it would fail later,
+    in each worker)."""
+    from ..serve.workers import PortTaken, bound_socket
+
+    try:
+        bound_socket(host, port, reuse_port=False).close()
+    except PortTaken as e:
+        raise click.ClickException(f"{option} {port}: {e}") from None
 
 
 def _stopped(signum: int, frame: Any) -> None:

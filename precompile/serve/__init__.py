@@ -8,6 +8,9 @@
     metrics.py  the Prometheus metrics and their registry
     app.py      create_app(): the endpoints, model loading and warm-up, hot swap, traffic recording
     server.py   run(): uvicorn, one process or several workers
+    workers.py  the --workers supervisor: spawned workers, each with its own SO_REUSEPORT socket
+    instances.py     execution instances: calls at once per model, each thread its own OpenMP team
+    grpc_service.py  the Open Inference Protocol over gRPC (messages: predict_v2_pb2, from predict_v2.proto)
 
 Only ``config`` imports nothing beyond the standard library; the rest needs ``pip install 'precompile[serve]'``.
 """

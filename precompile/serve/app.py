@@ -1,7 +1,7 @@
 """The FastAPI app: ``create_app(config)``.
 
     POST /predict      {"inputs": {...}} -> {"outputs": ..., "artifact": {"name", "version"}, "variant": ...}
-    GET  /healthz      200 while the process is up
+    GET  /healthz      200 while the process is up (header X-Precompile-Worker: the answering process's id)
     GET  /readyz       200 once the artifact is loaded and warmed up, 503 before (or after a failed load)
     GET  /metrics      Prometheus text format (see metrics.py)
     GET  /v1/artifact  the manifest summary of what is serving, and the last swap attempt
@@ -12,7 +12,8 @@ Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py), and 
 its work raises through one exception policy (errors.py, ``Service.answer`` in service.py). The artifact is loaded
 and warmed up on a background thread at start-up, so /healthz answers at once and /readyz turns 200
 when the first request would meet warm code. Requests are decoded on the server's thread pool; each
-call runs there through ``Live.call_detailed``, or with ``--batch`` is queued in a ``loader.Batcher``
+call runs through ``Live.call_detailed`` on one of the model's execution instances (instances.py: a
+bounded number at once, a bounded queue in front, 503 beyond it), or with ``--batch`` is queued in a ``loader.Batcher``
 that runs concurrent calls as one batch (while it waits, a client that hangs up cancels it: the
 batcher drops it). Either way its outputs, variant and reported version belong together, even while
 a swap happens.
@@ -37,6 +38,7 @@ from loader import Live
 from .codec import request_schema
 from .config import LOG_LEVEL_ENV, ServeConfig
 from .errors import Code, Refused
+from .grpc_service import grpc_beside
 from .limits import BodyLimit
 from .oip import mount_oip
 from .reload import ReloadRequest, parse_reload_request
@@ -54,7 +56,8 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.start()
         try:
-            yield
+            with grpc_beside(service):  # --grpc-port: the same service over gRPC, in this process
+                yield
         finally:
             service.stop()
 
@@ -69,9 +72,9 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
         return await service.answer(request, lambda: service.predict(request))
 
     @app.get("/healthz")
-    def healthz() -> dict:
+    def healthz() -> JSONResponse:
         """The process is up."""
-        return {"status": "ok"}
+        return JSONResponse({"status": "ok"}, headers={WORKER_HEADER: str(os.getpid())})
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
@@ -122,6 +125,9 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+WORKER_HEADER = "X-Precompile-Worker"  # which of the --workers processes answered /healthz
 
 
 def log_to_stderr(level: str) -> None:

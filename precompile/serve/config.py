@@ -35,6 +35,12 @@ class ServeConfig:
     max_delay_ms: float = 2.0
     max_queue: int = 1024
     precision: str = "auto"  # loader.load(precision=...): auto | fp32 | bf16 | int8
+    # Execution instances (instances.py) for calls without --batch: None: what the CPUs can feed
+    instances: int | None = None
+    queue_size: int = 256  # calls waiting for an instance at most; more get 503 / UNAVAILABLE
+    grpc_port: int | None = None  # the Open Inference Protocol's gRPC service (grpc_service.py); None: off
+    host: str = "127.0.0.1"  # the address the gRPC service listens on (uvicorn binds HTTP's itself)
+    workers: int = 1  # server processes; more than one share the ports through SO_REUSEPORT (workers.py)
 
     def batcher_options(self) -> dict:
         """The keyword arguments ``loader.Batcher`` gets, with ``batch`` on."""

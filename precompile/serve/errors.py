@@ -4,7 +4,7 @@ Every handler runs its work through ``Service.answer`` (service.py), which asks 
 exception means. Codes are gRPC's (and Triton's ``TRITONSERVER_Error`` kinds); each protocol maps
 them to HTTP statuses:
 
-    code                 HTTP /predict, /v1  HTTP /v2   raised for
+    code (gRPC status)   HTTP /predict, /v1  HTTP /v2   raised for
     INVALID_ARGUMENT     422                 400        a malformed body, a value the codec refuses, a
                                                         guard's refusal, outputs JSON cannot carry
     NOT_FOUND            404                 404        another model's name (/v2)
@@ -12,7 +12,8 @@ them to HTTP statuses:
     RESOURCE_EXHAUSTED   413                 413        a body over --max-body-bytes (limits.py)
     CANCELLED            499                 499        the client hung up: mid-body, or while its
                                                         call waited (never sent: nobody reads it)
-    UNAVAILABLE          503                 503        nothing loaded yet, a full batch queue, closing
+    UNAVAILABLE          503                 503        nothing loaded yet, a full batch or instance
+                                                        queue (instances.py), closing
     INTERNAL             500                 500        anything else: a bug or a runtime failure
 
 The client's refusals (4xx) are counted by reason (``precompile_rejections_total``) and logged in
@@ -32,6 +33,7 @@ from starlette.requests import ClientDisconnect
 from loader import BatcherFull, GuardError, LoaderError
 
 from .codec import BodyError
+from .instances import InstancesClosed, InstancesFull
 from .metrics import guard_reason
 from .reload import ReloadRefused
 
@@ -110,9 +112,9 @@ def refusal(e: Exception) -> Refused | None:
         return Refused(Code.INVALID_ARGUMENT, str(e), "invalid_body")
     if isinstance(e, ReloadRefused):
         return Refused(Code.PERMISSION_DENIED, str(e))
-    if isinstance(e, BatcherFull):
+    if isinstance(e, (BatcherFull, InstancesFull)):
         return Refused(Code.UNAVAILABLE, str(e), "queue_full")
-    if isinstance(e, LoaderError):  # nothing loaded yet, or the batcher closing with the server
+    if isinstance(e, (LoaderError, InstancesClosed)):  # nothing loaded yet, or closing with the server
         return Refused(Code.UNAVAILABLE, str(e))
     return None
 

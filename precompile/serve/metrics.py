@@ -2,12 +2,15 @@
 
     precompile_requests_total{code}                  /predict and /v2 infer responses by HTTP status; 499:
                                                      the client hung up first (nothing was sent)
+    precompile_grpc_requests_total{code}             gRPC ModelInfer answers by status code (OK,
+                                                     INVALID_ARGUMENT, UNAVAILABLE, ...)
     precompile_predict_seconds{variant,precision}    latency of successful predictions (histogram; _count
                                                      is the number of requests each variant served;
                                                      precision: fp32, bf16 or int8)
     precompile_rejections_total{reason}              refused predictions: a guard's reason (out_of_range,
                                                      dtype, ...), invalid_body, non_finite_output,
-                                                     unknown_model, too_large, queue_full or disconnected
+                                                     unknown_model, too_large, queue_full (a full
+                                                     batch or instance queue) or disconnected
     precompile_shape_calls_total{shape}              predictions per shape bucket (each dim rounded up
                                                      to a power of two: batch=3-4,seq=65-128)
     precompile_batch_size                            batches run by --batch, by size (histogram)
@@ -79,6 +82,9 @@ class Metrics:
             owner = self.registry
         self.requests = Counter(
             "precompile_requests", "/predict and /v2 infer responses by HTTP status", ["code"], registry=owner
+        )
+        self.grpc_requests = Counter(
+            "precompile_grpc_requests", "gRPC ModelInfer answers by status code", ["code"], registry=owner
         )
         self.latency = Histogram(
             "precompile_predict_seconds",

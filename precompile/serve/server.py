@@ -1,8 +1,9 @@
 """Start uvicorn on the app: one process, or several workers that each load the artifact.
 
 Workers are separate processes (the compiled code holds the GIL while it runs, so threads in one
-process take turns; see bench/concurrency.py). Each maps the same weights file, so the page cache
-holds one copy. Workers cannot share a POST /v1/reload (it reaches one of them), so with several
+process take turns; see bench/concurrency.py), each listening on the port with a socket of its own
+(workers.py: the kernel spreads connections over them). Each maps the same weights file, so the page
+cache holds one copy. Workers cannot share a POST /v1/reload (it reaches one of them), so with several
 workers hot swap goes through --watch, which every worker follows.
 """
 
@@ -12,8 +13,10 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 
 from .config import LOG_LEVEL_ENV, ServeConfig
+from .workers import run_workers
 
 REEXEC_MARK = "PRECOMPILE_SERVE_ENV_SET"  # set in the re-executed server, so it never loops
 
@@ -61,6 +64,7 @@ def run(
 ) -> None:
     import uvicorn
 
+    config = replace(config, host=host, workers=workers)  # the gRPC service listens beside HTTP
     env = serving_env(workers)
     if workers == 1:
         reexec_with(env)  # no return when it re-executes: the server then starts with the settings in effect
@@ -78,15 +82,10 @@ def run(
     # Workers are fresh interpreters: the OpenMP settings take effect there (one thread pool per
     # worker, sized to its share of the CPUs: more threads than cores slow every call down).
     os.environ.update(env)
+    from .app import log_to_stderr
+
+    log_to_stderr(log_level)  # the supervisor's own lines: a worker replaced, or one that failed to start
     try:
-        uvicorn.run(
-            "precompile.serve.app:app_from_env",
-            factory=True,
-            host=host,
-            port=port,
-            workers=workers,
-            log_level=log_level,
-            http=HTTP_PROTOCOL,
-        )
+        run_workers(workers, host=host, port=port, log_level=log_level, http=HTTP_PROTOCOL)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -23,6 +23,7 @@ from loader.live import Serving, SwapAttempt, read_served_manifest
 from .codec import MIN_BODY_BYTES, body_limit, dumps, parse_body, to_json, to_tensors
 from .config import ServeConfig
 from .errors import API, OIP, ClientGone, Code, Refused, internal, refusal
+from .instances import Instances, default_count
 from .metrics import Metrics, shape_bucket
 from .reload import ReloadRefused, reload_target
 
@@ -42,11 +43,17 @@ class Service:
         self.batcher: Batcher | None = (
             Batcher(self.live, **config.batcher_options(), on_batch=self.metrics.count_batch) if config.batch else None
         )
+        self.instances: Instances | None = None  # without --batch: started with the service
         self._loader: threading.Thread | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.batcher is None:  # calls run on a bounded number of execution instances, a queue in front
+            self.instances = Instances(
+                count=self.config.instances or default_count(workers=self.config.workers),
+                queue_size=self.config.queue_size,
+            )
         if self.config.record:
             self.recorder = TrafficRecorder(self.live, self.config.record, interval=self.config.record_interval)
         self._loader = threading.Thread(target=self._load_then_watch, name="precompile-load", daemon=True)
@@ -66,6 +73,8 @@ class Service:
             self._loader.join()
         if self.batcher is not None:
             self.batcher.close()
+        if self.instances is not None:
+            self.instances.close()
         self.live.close()
         if self.recorder is not None:
             self.recorder.close()
@@ -120,13 +129,17 @@ class Service:
 
     # --- predict -------------------------------------------------------------------------------
 
-    async def call(self, inputs: dict[str, Any], request: Request) -> tuple[Any, str, Serving]:
-        """Run one call, through the batcher with --batch; raises what the call raises. A queued call
-        whose client hangs up is cancelled (dropped from its batch) and ends in ClientGone."""
+    async def call(self, inputs: dict[str, Any], request: Request | None) -> tuple[Any, str, Serving]:
+        """Run one call on an execution instance, or through the batcher with --batch; raises what the
+        call raises. A queued call whose client hangs up is cancelled (dropped from its queue or batch)
+        and ends in ClientGone; without ``request`` (gRPC), cancelling the awaiting task does that."""
         if self.batcher is None:
-            return await run_in_threadpool(self.live.call_detailed, **inputs)
-        # Guards run in submit (cheap), so a refused call is never queued.
-        return await unless_disconnected(asyncio.wrap_future(self.batcher.submit(**inputs)), request.receive)
+            pending = asyncio.wrap_future(self.instances.submit(self.live.call_detailed, **inputs))
+        else:  # guards run in submit (cheap), so a refused call is never queued
+            pending = asyncio.wrap_future(self.batcher.submit(**inputs))
+        if request is None:
+            return await pending
+        return await unless_disconnected(pending, request.receive)
 
     async def predict(self, request: Request) -> Response:
         start = time.perf_counter()
@@ -156,15 +169,19 @@ class Service:
         self.count_served(serving, variant, inputs, start)
         return Response(payload, media_type="application/json")
 
-    def count_served(self, serving: Serving, variant: str, inputs: dict[str, Any], start: float) -> None:
-        """Count one successful prediction (/predict or /v2 infer): latency by variant, shape, 200."""
+    def count_served(
+        self, serving: Serving, variant: str, inputs: dict[str, Any], start: float, *, grpc: bool = False
+    ) -> None:
+        """Count one successful prediction (/predict, /v2 infer or gRPC ModelInfer): latency by
+        variant, shape, and 200 (gRPC: OK)."""
         self.metrics.latency.labels(variant, _precision(serving.model, variant)).observe(time.perf_counter() - start)
         self.metrics.shapes.labels(shape_bucket(_dims(serving.model, inputs))).inc()
-        self.metrics.requests.labels("200").inc()
+        (self.metrics.grpc_requests.labels("OK") if grpc else self.metrics.requests.labels("200")).inc()
 
-    def count_refused(self, code: int, reason: str | None) -> None:
-        """Count one prediction request (/predict or /v2 infer) answered with ``code``, and its reason."""
-        self.metrics.requests.labels(str(code)).inc()
+    def count_refused(self, code: int | str, reason: str | None, *, grpc: bool = False) -> None:
+        """Count one prediction request answered with ``code`` (an HTTP status; gRPC: a status code's
+        name), and its reason."""
+        (self.metrics.grpc_requests if grpc else self.metrics.requests).labels(str(code)).inc()
         if reason is not None:
             self.metrics.rejections.labels(reason).inc()
 

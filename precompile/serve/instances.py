@@ -1,0 +1,135 @@
+"""Execution instances: at most N calls of a model run at once, each on a thread that owns its OpenMP
+team, with a bounded queue in front; a call beyond the queue is refused at once (503 / UNAVAILABLE).
+
+Concurrent requests that all enter the compiled code together each start an OpenMP team on the same
+cores: the teams contend, every call slows down, and throughput falls as clients are added (see
+bench/results/serve_load.md). Triton Inference Server's answer is an instance count per model with a
+queue in front; this is the same. Each instance is a thread that calls ``torch.set_num_threads`` once
+for itself (OpenMP's thread count is a per-thread setting, and the compiled code is built with
+``cpp.dynamic_threads``, so it reads it at every call): the process's threads are split between the
+instances rather than every call asking for all of them.
+
+    instances = Instances(count=1, threads=2, queue_size=64)
+    future = instances.submit(live.call_detailed, ids=ids)   # InstancesFull when the queue is full
+    outputs, variant, serving = future.result()
+    instances.close()
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from loader.threads import cpu_allowance, default_threads
+
+
+class InstancesFull(Exception):
+    """Every instance is busy and the queue in front of them is full (answered 503 / UNAVAILABLE)."""
+
+    def __init__(self, queue_size: int):
+        super().__init__(
+            f"the server is at capacity: every execution instance is busy and {queue_size} calls are waiting "
+            "(--queue-size); retry later"
+        )
+
+
+class InstancesClosed(Exception):
+    """The server is stopping: no new call is taken (answered 503 / UNAVAILABLE)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is stopping")
+
+
+def default_count(*, workers: int = 1, threads: int | None = None) -> int:
+    """The instances this worker's share of the CPUs (those the process gets, over ``workers``) can
+    feed, each with a full OpenMP team of ``threads`` (default: torch's, ``OMP_NUM_THREADS`` cut to
+    the CPUs); at least one."""
+    allowance = cpu_allowance()
+    threads = threads if threads is not None else default_threads(allowance)
+    return max(1, allowance.cpus // max(1, workers) // max(1, threads))
+
+
+class Instances:
+    """``count`` threads running the calls ``submit`` hands them, in order, ``threads`` OpenMP threads
+    in all split between them; at most ``queue_size`` calls wait for a free instance."""
+
+    def __init__(self, *, count: int, queue_size: int, threads: int | None = None):
+        if count < 1 or queue_size < 0:
+            raise ValueError(f"count must be at least 1 and queue_size at least 0, got {count} and {queue_size}")
+        self.count = count
+        self.queue_size = queue_size
+        self.threads_each = max(1, (threads if threads is not None else default_threads()) // count)
+        self._waiting: collections.deque[tuple[Future, Callable[..., Any], dict[str, Any]]] = collections.deque()
+        self._idle = 0  # instances waiting for a call
+        self._lock = threading.Condition()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"precompile-instance-{i}", daemon=True) for i in range(count)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], /, **kwargs: Any) -> Future:
+        """A future for ``fn(**kwargs)`` run on a free instance; InstancesFull at once when every
+        instance is busy and ``queue_size`` calls already wait. Cancelling the future before an
+        instance takes it drops the call."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise InstancesClosed()
+            # Calls waiting beyond the idle instances about to take them are the queue.
+            if len(self._waiting) - self._idle >= self.queue_size:
+                raise InstancesFull(self.queue_size)
+            self._waiting.append((future, fn, kwargs))
+            self._lock.notify()
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future) -> None:
+        """A call cancelled while it waited leaves the queue (its client hung up), freeing its place."""
+        if not future.cancelled():
+            return
+        with self._lock:
+            for i, (waiting, _, _) in enumerate(self._waiting):
+                if waiting is future:
+                    del self._waiting[i]
+                    return
+
+    @property
+    def queued(self) -> int:
+        """Calls waiting for an instance now."""
+        with self._lock:
+            return max(0, len(self._waiting) - self._idle)
+
+    def close(self) -> None:
+        """Finish the calls already taken and queued, refuse new ones, and stop the threads."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads_each)  # this thread's OpenMP team only
+        while True:
+            with self._lock:
+                self._idle += 1
+                while not self._waiting and not self._closed:
+                    self._lock.wait()
+                self._idle -= 1
+                if not self._waiting:
+                    return  # closed, nothing left
+                future, fn, kwargs = self._waiting.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue  # its client gave up while it waited
+            try:
+                result = fn(**kwargs)
+            except BaseException as e:  # noqa: BLE001: handed to the caller, whose policy answers it
+                future.set_exception(e)
+            else:
+                future.set_result(result)

@@ -1,0 +1,203 @@
+"""Execution instances (precompile/serve/instances.py): a bounded number of calls at once, each on a
+thread with its own OpenMP team, a bounded queue in front, and 503 / UNAVAILABLE at once beyond it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from loader import Live
+from loader.threads import cpu_allowance
+from precompile.cli import main
+from precompile.serve.app import create_app
+from precompile.serve.config import ServeConfig
+from precompile.serve.grpc_service import GrpcServer, ServiceModels
+from precompile.serve.instances import Instances, InstancesFull, default_count
+from tests.test_serve import AppClient, served_config  # noqa: F401 (a fixture)
+from tests.test_serve_load import DEADLINE, free_port
+
+MODEL = "tiny-classifier"
+BODY = {"inputs": {"ids": [[1, 2, 3, 4]], "mask": [[True, True, True, False]]}}
+
+
+# --- the pool itself -------------------------------------------------------------------------
+
+
+def test_each_instance_owns_its_share_of_the_threads():
+    before = torch.get_num_threads()
+    instances = Instances(count=2, queue_size=0, threads=4)
+    try:
+        seen = {instances.submit(lambda: (threading.current_thread().name, torch.get_num_threads())).result()}
+        while len(seen) < 2:  # until both instances have run a call
+            seen.add(instances.submit(lambda: (threading.current_thread().name, torch.get_num_threads())).result())
+    finally:
+        instances.close()
+    assert {threads for _, threads in seen} == {2}  # 4 threads split between 2 instances
+    assert torch.get_num_threads() == before  # the caller's team is its own
+
+
+def test_the_default_count_is_what_the_workers_share_of_the_cpus_can_feed():
+    cpus = cpu_allowance().cpus
+    assert default_count(threads=1) == cpus  # one single-threaded instance per CPU
+    assert default_count(threads=cpus) == 1  # one team as wide as the CPUs
+    assert default_count(workers=cpus, threads=1) == 1  # each worker's share is one CPU
+    assert default_count(threads=4 * cpus) == 1  # at least one
+
+
+def test_a_call_beyond_the_queue_is_refused_at_once_and_the_others_run():
+    gate = threading.Event()
+    instances = Instances(count=1, queue_size=2, threads=1)
+    try:
+        running = instances.submit(gate.wait, timeout=DEADLINE)
+        while instances.queued:  # the instance has taken it
+            time.sleep(0.01)
+        queued = [instances.submit(lambda i=i: i) for i in range(2)]
+        start = time.monotonic()
+        with pytest.raises(InstancesFull, match="--queue-size"):
+            instances.submit(lambda: None)
+        assert time.monotonic() - start < 0.5 and not running.done()
+        cancelled = instances.submit(lambda: "dropped") if queued[1].cancel() else None
+        assert cancelled is not None  # the cancelled call's place in the queue was freed
+        gate.set()
+        assert running.result(timeout=DEADLINE) and queued[0].result(timeout=DEADLINE) == 0
+        assert cancelled.result(timeout=DEADLINE) == "dropped"
+    finally:
+        gate.set()
+        instances.close()
+
+
+# --- in the server ---------------------------------------------------------------------------
+
+
+class HeldLive(Live):
+    """The real Live whose calls each wait for ``release`` before they run (the test decides when
+    the one instance frees up); ``entered`` counts the calls an instance has taken."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.release = threading.Event()
+        self.entered = threading.Semaphore(0)
+
+    def call_detailed(self, **inputs):
+        self.entered.release()
+        self.release.wait(DEADLINE)
+        return super().call_detailed(**inputs)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_requests_beyond_the_queue_get_503_at_once_and_the_others_succeed(classifier_artifact):
+    live = HeldLive(classifier_artifact)
+    app = create_app(ServeConfig(str(classifier_artifact), instances=1, queue_size=2), live=live)
+    service = app.state.service
+    want = live.model(torch.tensor(BODY["inputs"]["ids"]), torch.tensor(BODY["inputs"]["mask"])).tolist()
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=DEADLINE) as client:
+            first = asyncio.create_task(client.post("/predict", json=BODY))
+            assert await asyncio.to_thread(live.entered.acquire, timeout=DEADLINE)  # the instance is busy
+            waiting = [asyncio.create_task(client.post("/predict", json=BODY)) for _ in range(2)]
+            while service.instances.queued < 2:
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            beyond = await asyncio.gather(*(client.post("/predict", json=BODY) for _ in range(5)))
+            answered_in = time.monotonic() - start
+            assert not first.done()  # refused while the first call still held the instance
+            live.release.set()
+            served = await asyncio.gather(first, *waiting)
+            return beyond, answered_in, served, (await client.get("/metrics")).text
+
+    with AppClient(app):
+        assert wait_loaded(service)
+        beyond, answered_in, served, metrics = asyncio.run(scenario())
+    assert [r.status_code for r in beyond] == [503] * 5
+    assert "--queue-size" in beyond[0].json()["detail"] and beyond[0].json()["reason"] == "queue_full"
+    assert answered_in < 5.0  # at once: none waited for the instance
+    assert [r.status_code for r in served] == [200] * 3
+    for r in served:
+        np.testing.assert_allclose(r.json()["outputs"], want, rtol=1e-5, atol=1e-6)
+    assert metric(metrics, "precompile_rejections_total", reason="queue_full") == 5
+    assert metric(metrics, "precompile_requests_total", code="503") == 5
+    assert metric(metrics, "precompile_requests_total", code="200") == 3
+
+
+def wait_loaded(service) -> bool:
+    deadline = time.monotonic() + DEADLINE
+    while not service.live.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return service.live.ready
+
+
+def test_grpc_calls_beyond_the_queue_get_unavailable(classifier_artifact):
+    tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    live = HeldLive(classifier_artifact)
+    app = create_app(ServeConfig(str(classifier_artifact), instances=1, queue_size=0), live=live)
+    service = app.state.service
+    with AppClient(app):
+        assert wait_loaded(service)
+        server = GrpcServer(
+            ServiceModels(service), host="127.0.0.1", port=free_port(), max_message_bytes=1 << 20, reuse_port=False
+        )
+        port = server.start()
+        client = tritonclient_grpc.InferenceServerClient(url=f"127.0.0.1:{port}")
+        try:
+            ids, mask = np.array([[1, 2, 3]], dtype=np.int64), np.array([[True, True, False]])
+            request = [
+                tritonclient_grpc.InferInput("ids", [1, 3], "INT64"),
+                tritonclient_grpc.InferInput("mask", [1, 3], "BOOL"),
+            ]
+            request[0].set_data_from_numpy(ids)
+            request[1].set_data_from_numpy(mask)
+            holding = threading.Thread(target=lambda: results.append(client.infer(MODEL, request)))
+            results: list = []
+            holding.start()
+            assert live.entered.acquire(timeout=DEADLINE)
+            with pytest.raises(InferenceServerException) as raised:
+                client.infer(MODEL, request)
+            assert raised.value.status() == "StatusCode.UNAVAILABLE" and "--queue-size" in raised.value.message()
+            live.release.set()
+            holding.join(DEADLINE)
+            want = live.model(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+            np.testing.assert_allclose(results[0].as_numpy("output"), want, rtol=1e-5, atol=1e-6)
+        finally:
+            live.release.set()
+            client.close()
+            server.stop()
+        counted = service.metrics.exposition().decode()
+    assert metric(counted, "precompile_grpc_requests_total", code="UNAVAILABLE") == 1
+    assert metric(counted, "precompile_rejections_total", reason="queue_full") == 1
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def test_the_command_passes_instances_and_queue_size_on(classifier_artifact, served_config):
+    result = CliRunner().invoke(
+        main, ["serve", str(classifier_artifact), "--instances", "2", "--queue-size", "8"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    config = served_config["config"]
+    assert config.instances == 2 and config.queue_size == 8 and config.grpc_port is None
+
+
+def test_instances_with_batch_is_a_usage_error(classifier_artifact, served_config):
+    result = CliRunner().invoke(main, ["serve", str(classifier_artifact), "--batch", "--instances", "2"])
+    assert result.exit_code == 2 and "--instances and --queue-size apply without --batch" in result.output
