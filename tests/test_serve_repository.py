@@ -147,6 +147,15 @@ def test_the_version_policy_picks_the_newest_or_the_listed(text, versions, chose
     assert VersionPolicy.parse(text).select(versions) == chosen
 
 
+def test_the_repository_settings_travel_to_the_workers(repo, monkeypatch):
+    """Workers read the config back from the environment: the repository settings come with it."""
+    from precompile.serve.config import ServeConfig
+
+    config = ServeConfig(str(repo), repository=True, versions="1,3", allow_repository_control=False, watch=True)
+    monkeypatch.setenv(*next(iter(config.to_env().items())))
+    assert ServeConfig.from_env() == config
+
+
 def invoke(*args: str):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
@@ -157,6 +166,7 @@ def invoke(*args: str):
         (["--versions", "latest:0"], "--versions latest:0: latest:N needs a whole number N >= 1"),
         (["--versions", "newest"], "--versions newest: expected latest:N or versions such as 3,5"),
         (["--allow-reload"], "--allow-reload and --record apply to one artifact"),
+        (["--workers", "2", "--allow-repository-control"], "a load or unload reaches one worker only"),
     ],
 )
 def test_serve_refuses_a_bad_repository_option(repo, args, message):
@@ -300,6 +310,20 @@ def test_metrics_carry_the_model_label(served):
     assert after[("precompile_reloads_total", (("model", CLASSIFIER), ("result", "ok")))] == 1
     info = [k for k in after if k[0] == "precompile_artifact_info"]
     assert sorted(dict(k[1])["name"] for k in info) == [CLASSIFIER, STRUCTURED]
+
+
+def test_several_workers_each_serve_the_repository(repo):
+    """--workers 2: the workers serve every model, counted under its label (summed across them)."""
+    with serve_command(repo, "--workers", "2") as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
+        deadline = time.monotonic() + 60  # this connection's worker may start after the one that said ready
+        while c.get("/readyz", timeout=30).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for _ in range(4):
+            assert c.post(f"/predict/{CLASSIFIER}", json=classifier_body()[0], timeout=30).status_code == 200
+            assert c.post(f"/predict/{STRUCTURED}", json=structured_body()[0], timeout=30).status_code == 200
+        counts = samples(c.get("/metrics").text)
+    for name in (CLASSIFIER, STRUCTURED):
+        assert counts[("precompile_requests_total", (("code", "200"), ("model", name)))] == 4
 
 
 # --- versions, trust, control --------------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""The service behind the app's routes: one loaded artifact (``loader.Live``), its metrics, the
-optional batcher, and the one exception policy every route's work runs through (``answer``).
+"""The service behind the app's routes: one served model (``Service``: its ``loader.Live``, its
+metrics, the optional batcher), and the one exception policy every route's work runs through
+(``answer``).
 
-``app.create_app`` mounts the HTTP routes on it, ``oip.mount_oip`` the Open Inference Protocol's.
+The routes look a Service up by name through repository.py (the one artifact, or a repository's
+model versions); ``app.create_app`` mounts the HTTP routes, ``oip.mount_oip`` the Open Inference
+Protocol's. ``Service.call`` is the one entry point that runs a decoded request on a model.
 """
 
 from __future__ import annotations
