@@ -482,7 +482,7 @@ def test_a_store_prefix_that_push_wrote_is_a_repository(
         push(artifact_version(classifier_artifact, tmp_path / "v2", 2), store)
         push(structured_artifact, store)
         with (
-            serve_command(f"{store}/", "--allow-repository-control") as port,
+            serve_command(f"{store}/", "--allow-repository-control", "--watch", "--watch-interval", "0.2") as port,
             httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c,
         ):
             index = c.get("/v2/repository/index").json()
@@ -498,5 +498,15 @@ def test_a_store_prefix_that_push_wrote_is_a_repository(
             assert c.post(f"/predict/{STRUCTURED}", json=structured_body()[0]).status_code == 200
             metadata = c.get(f"/v2/models/{CLASSIFIER}").json()
             assert metadata["name"] == CLASSIFIER and metadata["versions"] == ["2"]
+
+            # --watch: a damaged index leaves the model serving; a new version pushed is served.
+            (server.root / BUCKET / "prod" / STRUCTURED / "index.json").write_text("{not json")
+            push(artifact_version(classifier_artifact, tmp_path / "v3", 3), store)
+            deadline = time.monotonic() + 60
+            while c.get(f"/v2/models/{CLASSIFIER}/versions/3/ready").status_code != 200:
+                assert time.monotonic() < deadline, c.get("/v2/repository/index").text
+                time.sleep(0.1)
+            assert c.post(f"/predict/{STRUCTURED}", json=structured_body()[0]).status_code == 200
+            assert c.post(f"/predict/{CLASSIFIER}", json=payload).json()["artifact"]["version"] == 3
     finally:
         server.stop()

@@ -202,6 +202,7 @@ class Repository:
         self._models: dict[str, dict[int, Service]] = {}
         self._broken: dict[str, str] = {}  # models that cannot be served at all, and why
         self._unloaded: set[str] = set()  # by request: --watch leaves them alone
+        self._warned: dict[str, str] = {}  # models served on although REPO shows them unreadable, and why
         self._lock = threading.Lock()  # the tables above, read by every request
         self._ops = threading.Lock()  # one scan, load or unload at a time
         self._started = threading.Event()  # the first scan and its loads are done
@@ -287,6 +288,13 @@ class Repository:
         wanted = {v: found[v] for v in self.policy.select(found)}
         with self._lock:
             current = dict(self._models.get(name, {}))
+        if name in scanned.broken and current:
+            # Unreadable now (a damaged or unreachable index, a pack mid-copy): what serves, serves on.
+            if self._warned.get(name) != scanned.broken[name]:
+                log.warning("model %s: %s; the versions it serves stay", name, scanned.broken[name])
+                self._warned[name] = scanned.broken[name]
+            return
+        self._warned.pop(name, None)
         again = {v for v, s in current.items() if retry and not s.live.ready and v in wanted}
         new = {v: self._service(name, path) for v, path in wanted.items() if v not in current or v in again}
         for service in new.values():
