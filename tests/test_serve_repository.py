@@ -414,6 +414,30 @@ def test_the_repository_is_confined_to_its_folder(repo, classifier_artifact, tmp
     assert "not under the repository" in found.broken["outside"]
 
 
+def test_an_artifact_unreadable_at_a_rescan_keeps_serving(repo, tmp_path):
+    """A rescan (--watch) that finds a served artifact damaged or mid-copy leaves its version serving,
+    as a failed swap does, instead of dropping the model."""
+    from precompile.serve.config import ServeConfig
+    from precompile.serve.repository import Repository
+
+    root = tmp_path / "models"
+    shutil.copytree(repo / "structured", root / "structured")
+    repository = Repository(ServeConfig(str(root), repository=True))
+    try:
+        repository.sync()
+        assert repository.lookup(STRUCTURED).live.ready
+        (root / "structured" / C.MANIFEST_FILE).write_text("{half a manifest")
+        repository.sync()
+        assert repository.lookup(STRUCTURED).live.ready
+        states = [(r["name"], r["state"]) for r in repository.index()]
+        assert states == [("structured", "UNAVAILABLE"), (STRUCTURED, "READY")]  # the damage is reported
+        shutil.rmtree(root / "structured")  # gone from REPO: no longer served
+        repository.sync()
+        assert repository.index() == []
+    finally:
+        repository.stop()
+
+
 # --- shared memory ------------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ each version's Live also follows its own path. With ``--allow-repository-control
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable
@@ -96,11 +97,12 @@ class VersionPolicy:
 
 @dataclass(frozen=True)
 class Scanned:
-    """What one look at REPO found: each model's versions and where each lies, and the models that
-    cannot be served at all, with the reason."""
+    """What one look at REPO found: each model's versions and where each lies, the models that
+    cannot be served at all, with the reason, and the artifacts there that could not be read."""
 
     versions: dict[str, dict[int, str]]
     broken: dict[str, str]
+    unreadable: frozenset[str] = frozenset()  # resolved paths (a store's: none, its broken are by model)
 
     @property
     def names(self) -> set[str]:
@@ -130,6 +132,7 @@ def scan(root: str) -> Scanned:
 def _scan_folder(root: Path) -> Scanned:
     versions: dict[str, dict[int, str]] = {}
     broken: dict[str, str] = {}
+    unreadable: set[str] = set()
 
     def add(path: Path, folder: str | None) -> None:
         key = folder if folder is not None else path.name.removesuffix(C.PACK_SUFFIX)
@@ -138,6 +141,8 @@ def _scan_folder(root: Path) -> Scanned:
             manifest = read_served_manifest(target)
         except LoaderError as e:
             broken.setdefault(key, str(e))
+            with contextlib.suppress(OSError, RuntimeError):
+                unreadable.add(str(path.resolve()))
             return
         if folder is not None and manifest.name != folder:
             broken.setdefault(key, f"{path}: artifact {manifest.name!r} in the folder of model {folder!r}")
@@ -157,7 +162,7 @@ def _scan_folder(root: Path) -> Scanned:
                         add(sub, entry.name)
     except OSError as e:
         raise RepositoryError(f"{root}: cannot read the repository ({e.strerror})") from None
-    return Scanned(versions, {n: why for n, why in broken.items() if n not in versions})
+    return Scanned(versions, {n: why for n, why in broken.items() if n not in versions}, frozenset(unreadable))
 
 
 def _is_artifact(path: Path) -> bool:
@@ -288,11 +293,13 @@ class Repository:
         wanted = {v: found[v] for v in self.policy.select(found)}
         with self._lock:
             current = dict(self._models.get(name, {}))
-        if name in scanned.broken and current:
-            # Unreadable now (a damaged or unreachable index, a pack mid-copy): what serves, serves on.
-            if self._warned.get(name) != scanned.broken[name]:
-                log.warning("model %s: %s; the versions it serves stay", name, scanned.broken[name])
-                self._warned[name] = scanned.broken[name]
+        unreadable = {str(s.config.artifact) for s in current.values()} & scanned.unreadable
+        if current and (name in scanned.broken or unreadable):
+            # Unreadable now (a damaged or unreachable index, an artifact mid-copy): what serves, serves on.
+            why = scanned.broken.get(name) or f"{sorted(unreadable)[0]} cannot be read"
+            if self._warned.get(name) != why:
+                log.warning("model %s: %s; the versions it serves stay", name, why)
+                self._warned[name] = why
             return
         self._warned.pop(name, None)
         again = {v for v, s in current.items() if retry and not s.live.ready and v in wanted}
