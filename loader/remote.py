@@ -331,6 +331,37 @@ def read_index(folder: str) -> StoreIndex:
     return parse_index(data, url, name)
 
 
+def list_models(url: str, *, broken: dict[str, str] | None = None) -> dict[str, StoreIndex]:
+    """The models under a store URL and their versions: ``{name: index}``. ``url`` may be a store
+    root (every ``<name>/index.json`` under it) or one model's folder. ``broken``: a model folder
+    whose index cannot be read is recorded there (name -> why) instead of failing the listing."""
+    fs, path = filesystem(url)
+    own = f"{url.rstrip('/')}/{INDEX_FILE}"
+    own_fs, own_path = filesystem(own)
+    if retried(own, "reach the store", lambda: own_fs.exists(own_path)):
+        index = read_index(url)
+        return {index.name: index}
+    found: dict[str, StoreIndex] = {}
+    try:
+        listing = retried(url, "list the store", lambda: fs.ls(path, detail=True))
+    except MissingObjectError:
+        return found  # a fresh file:// store: nothing pushed yet
+    for entry in listing:
+        if entry.get("type") != "directory":
+            continue
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        try:
+            index = read_index(f"{url.rstrip('/')}/{name}")
+        except ArtifactError as e:
+            if broken is None:
+                raise
+            broken[name] = str(e)
+            continue
+        if index.entries:
+            found[name] = index
+    return found
+
+
 def index_entry(url: str) -> IndexEntry | None:
     """What the index beside the pack at ``url`` records for it; None when the folder has no index
     or the index does not list this file (a pack put there by other means)."""

@@ -68,6 +68,17 @@ if TYPE_CHECKING:
     help="Let a reload or --watch swap to an older version (a request cannot ask for it).",
 )
 @click.option(
+    "--versions",
+    default="latest:1",
+    show_default=True,
+    help="Serving a repository: each model's versions to serve, latest:N or listed (3,5).",
+)
+@click.option(
+    "--allow-repository-control",
+    is_flag=True,
+    help="Serving a repository: enable /v2/repository/index and .../models/{name}/load and unload (admin endpoints).",
+)
+@click.option(
     "--trusted-key",
     "trusted_keys",
     multiple=True,
@@ -87,7 +98,8 @@ if TYPE_CHECKING:
 @click.option(
     "--watch",
     is_flag=True,
-    help="Follow ARTIFACT (a link or pointer file, or a pointer object in a store such as s3://.../current) and swap when a deploy replaces it.",
+    help="Follow ARTIFACT (a link or pointer file, or a pointer object in a store such as s3://.../current) and swap when a deploy replaces it; "
+    "a repository: scan it again for new versions and models.",
 )
 @click.option(
     "--watch-interval",
@@ -155,6 +167,8 @@ def serve(
     allow_reload: bool,
     reload_root: Path | None,
     allow_rollback: bool,
+    versions: str,
+    allow_repository_control: bool,
     trusted_keys: tuple[Path, ...],
     min_version: int | None,
     refuse_rollback: bool,
@@ -177,7 +191,30 @@ def serve(
     an object store or a pointer object naming one (`precompile promote`; see --watch). The
     model is loaded and warmed up in the background; /readyz answers 200 once it is. The trust options
     apply to every version served. Needs the serve extra: pip install 'precompile[serve]'.
+
+    ARTIFACT may be a repository instead: a folder of artifacts, packs or model folders
+    (<name>/<version>.tar.zst, as `precompile push` lays them out), or a store prefix ending in /
+    (s3://bucket/models/). Every model is served at /v2/models/{name} and /predict/{name}, in the
+    versions --versions picks.
     """
+    from ..serve.repository import VersionPolicy, is_repository, repository_body_limit
+
+    repository = is_repository(artifact)
+    if not repository and (allow_repository_control or _given("versions")):
+        raise click.UsageError(
+            f"--versions and --allow-repository-control apply to a repository; {artifact} is one artifact"
+        )
+    if workers > 1 and allow_repository_control:
+        raise click.UsageError(
+            "--allow-repository-control with --workers > 1: a load or unload reaches one worker only; "
+            "change the repository and serve with --watch"
+        )
+    if repository and (allow_reload or record):
+        raise click.UsageError(
+            "--allow-reload and --record apply to one artifact; a repository reloads with --watch or "
+            "--allow-repository-control"
+        )
+    VersionPolicy.parse(versions)
     _check_combinations(
         workers=workers,
         allow_reload=allow_reload,
@@ -197,16 +234,23 @@ def serve(
         )
     if grpc_port and grpc_port == port:
         raise click.UsageError(f"--grpc-port {grpc_port} is --port too: give gRPC a port of its own")
-    manifest = _preflight(artifact, record, trusted_keys)
 
     from ..serve.codec import body_limit
     from ..serve.config import ServeConfig
     from ..serve.server import run
     from ..serve.workers import PortTaken
 
+    if repository:
+        _check_keys(trusted_keys)
+        limit = max_body_bytes or repository_body_limit(artifact)
+    else:
+        limit = max_body_bytes or body_limit(_preflight(artifact, record, trusted_keys))
     config = ServeConfig(
         artifact=str(artifact),
-        max_body_bytes=max_body_bytes or body_limit(manifest),
+        repository=repository,
+        versions=versions,
+        allow_repository_control=allow_repository_control,
+        max_body_bytes=limit,
         allow_reload=allow_reload,
         reload_root=str(reload_root) if reload_root is not None else None,
         allow_rollback=allow_rollback,
@@ -299,12 +343,10 @@ def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]
     from loader.host import check_compatible
     from loader.live import read_served_manifest
     from loader.traffic import expand_path, read_histogram
-    from loader.trust import public_keys
 
     manifest = read_served_manifest(artifact)
     check_compatible(manifest, manifest.target.device)
-    if trusted_keys:
-        public_keys(trusted_keys)
+    _check_keys(trusted_keys)
     if record:
         path = expand_path(record)
         if not path.parent.is_dir():
@@ -312,3 +354,11 @@ def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]
         if path.exists():
             read_histogram(path)  # it will be added to: it must be a traffic file
     return manifest
+
+
+def _check_keys(trusted_keys: tuple[Path, ...]) -> None:
+    """Refuse a --trusted-key that is not a public key, before anything starts."""
+    from loader.trust import public_keys
+
+    if trusted_keys:
+        public_keys(trusted_keys)

@@ -6,6 +6,8 @@
     limits.py   the body size limit, in front of every endpoint
     reload.py   what POST /v1/reload may ask for and which paths it may load
     metrics.py  the Prometheus metrics and their registry
+    service.py  Service: one served model (Live, batcher, metrics labels) and the exception policy's answer
+    repository.py  the models the routes look up by name: a repository of models and versions, or one artifact
     app.py      create_app(): the endpoints, model loading and warm-up, hot swap, traffic recording
     server.py   run(): uvicorn, one process or several workers
     workers.py  the --workers supervisor: spawned workers, each with its own SO_REUSEPORT socket

@@ -1,8 +1,10 @@
 """The FastAPI app: ``create_app(config)``.
 
     POST /predict      {"inputs": {...}} -> {"outputs": ..., "artifact": {"name", "version"}, "variant": ...}
+    POST /predict/{name}[/versions/{v}]   the same, for the model named (a repository: see repository.py)
     GET  /healthz      200 while the process is up (header X-Precompile-Worker: the answering process's id)
-    GET  /readyz       200 once the artifact is loaded and warmed up, 503 before (or after a failed load)
+    GET  /readyz       200 once the artifact is loaded and warmed up, 503 before (or after a failed load);
+                       a repository: which models are ready, loading, failed
     GET  /metrics      Prometheus text format (see metrics.py)
     GET  /v1/artifact  the manifest summary of what is serving, and the last swap attempt
     POST /v1/reload    {"path": ...}: swap to another version (--allow-reload; see reload.py)
@@ -42,34 +44,45 @@ from .grpc_service import grpc_beside
 from .limits import BodyLimit
 from .oip import mount_oip
 from .reload import ReloadRequest, parse_reload_request
+from .repository import Models, OneModel, Repository
 from .service import Service
 
 log = logging.getLogger("precompile.serve")
 
 
 def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
-    """The service for ``config``. ``live``: serve this (already loaded) holder instead of loading
-    ``config.artifact`` at start-up, for embedding and tests."""
-    service = Service(config, live)
+    """The service for ``config``: one artifact, or a repository of models (``config.repository``).
+    ``live``: serve this (already loaded) holder instead of loading ``config.artifact`` at start-up,
+    for embedding and tests."""
+    if config.repository:
+        models: Models = Repository(config)
+        holder: Repository | Service = models
+    else:
+        holder = Service(config, live)
+        models = OneModel(holder)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.start()
+        models.start()
         try:
-            with grpc_beside(service):  # --grpc-port: the same service over gRPC, in this process
+            with grpc_beside(models, config):  # --grpc-port: the same models over gRPC, in this process
                 yield
         finally:
-            service.stop()
+            models.stop()
 
     app = FastAPI(title="precompile serve", lifespan=lifespan)
-    app.state.service = service
-    app.add_middleware(BodyLimit, limit=service.max_body_bytes, refuse=service.refuse)
-    mount_oip(app, service)
+    app.state.service = holder
+    app.state.models = models
+    app.add_middleware(BodyLimit, limit=models.max_body_bytes, refuse=models.refuse)
+    mount_oip(app, models)
 
     @app.post("/predict", openapi_extra=_json_body("PredictRequest"), responses=_ERRORS)
+    @app.post("/predict/{name}", openapi_extra=_json_body("PredictRequest"), responses=_ERRORS)
+    @app.post("/predict/{name}/versions/{version}", openapi_extra=_json_body("PredictRequest"), responses=_ERRORS)
     async def predict(request: Request) -> Response:
-        """Run the model: {"inputs": {name: nested list}} -> {"outputs": ..., "artifact": ..., "variant": ...}."""
-        return await service.answer(request, lambda: service.predict(request))
+        """Run the model: {"inputs": {name: nested list}} -> {"outputs": ..., "artifact": ..., "variant": ...}.
+        Serving a repository, name the model in the path (optional when it holds one)."""
+        return await models.answer(request, lambda: models.lookup(*_named(request)).predict(request))
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
@@ -78,36 +91,40 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
-        """The artifact is loaded and warmed up."""
-        serving = service.describe_serving()
-        if serving is not None:
-            return JSONResponse({"status": "ready", "name": serving["name"], "version": serving["version"]})
-        attempt = service.live.last_attempt
-        if attempt is not None and not attempt.ok:
-            return JSONResponse({"status": "failed", "detail": attempt.error}, status_code=503)
-        return JSONResponse({"status": "loading"}, status_code=503)
+        """The artifact is loaded and warmed up (a repository: which models are)."""
+        body, status = models.readiness()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     def metrics() -> Response:
         """Prometheus metrics."""
-        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(models.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/artifact")
+    @app.get("/v1/artifact/{name}")
     async def artifact(request: Request) -> Response:
         """What is serving: the manifest summary, its digest, and the last swap attempt."""
-        return await service.answer(request, lambda: run_in_threadpool(lambda: JSONResponse(service.summary())))
+        return await models.answer(
+            request, lambda: run_in_threadpool(lambda: JSONResponse(models.lookup(*_named(request)).summary()))
+        )
 
     @app.post("/v1/reload", openapi_extra=_json_body("ReloadRequest", required=False), responses=_ERRORS)
     async def reload(request: Request) -> JSONResponse:
         """Swap to another artifact version: {"path": "..."}; no body: the served path again."""
 
         async def work() -> Response:
+            if isinstance(holder, Repository):
+                raise Refused(
+                    Code.PERMISSION_DENIED,
+                    "this server serves a repository: load versions with POST /v2/repository/models/{name}/load "
+                    "(--allow-repository-control) or --watch",
+                )
             if not config.allow_reload:
                 raise Refused(Code.PERMISSION_DENIED, "reload is off: start the server with --allow-reload")
             path = parse_reload_request(await request.body())
-            return await run_in_threadpool(service.reload, path)
+            return await run_in_threadpool(holder.reload, path)
 
-        return await service.answer(request, work)
+        return await models.answer(request, work)
 
     def openapi() -> dict[str, Any]:
         """The schema, with /predict's request body generated from the served manifest once one is
@@ -115,11 +132,11 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        serving = service.live.current
+        manifest = models.openapi_manifest()
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-        schemas["PredictRequest"] = request_schema(serving.model.manifest if serving is not None else None)
+        schemas["PredictRequest"] = request_schema(manifest)
         schemas["ReloadRequest"] = ReloadRequest.model_json_schema()
-        if serving is not None:  # a swap keeps the inputs, so the schema holds from now on
+        if manifest is not None:  # a swap keeps the inputs, so the schema holds from now on
             app.openapi_schema = schema
         return schema
 
@@ -128,6 +145,12 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
 
 
 WORKER_HEADER = "X-Precompile-Worker"  # which of the --workers processes answered /healthz
+
+
+def _named(request: Request) -> tuple[str | None, str | None]:
+    """The model and version a route's path names ({name}, {version}; None where it has none). Read
+    from the path, not as parameters: FastAPI would make a path's missing ones query parameters."""
+    return request.path_params.get("name"), request.path_params.get("version")
 
 
 def log_to_stderr(level: str) -> None:
@@ -151,6 +174,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"description": text}
     for code, text in {
         403: "refused by the server's configuration",
+        404: "an unknown model or version",
         413: "the body is larger than --max-body-bytes",
         422: "a malformed request, inputs the model refuses, or outputs JSON cannot carry (detail and reason say why)",
         500: "an internal failure (a bug, logged with its traceback); the server serves on",

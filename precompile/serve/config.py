@@ -13,14 +13,17 @@ LOG_LEVEL_ENV = "PRECOMPILE_SERVE_LOG_LEVEL"  # --log-level, for the workers' ow
 
 @dataclass(frozen=True)
 class ServeConfig:
-    artifact: str  # an artifact folder or pack, or a link / pointer file that designates one
+    artifact: str  # an artifact folder or pack, or a link / pointer file that designates one; or a repository
+    repository: bool = False  # ``artifact`` is a model repository: a folder of artifacts, or a store prefix
+    versions: str = "latest:1"  # a repository's version policy: latest:N, or listed versions "3,5"
+    allow_repository_control: bool = False  # /v2/repository/index, .../load, .../unload
     max_body_bytes: int | None = None  # larger bodies get 413 on every endpoint; None: sized from the manifest
     allow_reload: bool = False  # POST /v1/reload (an admin endpoint)
     reload_root: str | None = None  # reload may load artifacts under this folder only; None: the served path only
     allow_rollback: bool = (
         False  # let a reload or the watcher go to an older version (the server decides, never a request)
     )
-    watch: bool = False  # follow ``artifact`` (a link or pointer file) as deploys replace it
+    watch: bool = False  # follow ``artifact`` (a link or pointer file) as deploys replace it; a repository: rescan it
     watch_interval: float = 2.0
     record: str | None = None  # write the shape histogram here ({pid}: this process's id)
     record_interval: float = 60.0

@@ -1,14 +1,15 @@
 """The server's exception policy, in one place: what each exception a request can end in is answered.
 
-Every handler runs its work through ``Service.answer`` (service.py), which asks ``refusal(e)`` what an
+Every handler runs its work through ``answer`` (service.py), which asks ``refusal(e)`` what an
 exception means. Codes are gRPC's (and Triton's ``TRITONSERVER_Error`` kinds); each protocol maps
 them to HTTP statuses:
 
     code (gRPC status)   HTTP /predict, /v1  HTTP /v2   raised for
     INVALID_ARGUMENT     422                 400        a malformed body, a value the codec refuses, a
                                                         guard's refusal, outputs JSON cannot carry
-    NOT_FOUND            404                 404        another model's name (/v2)
-    PERMISSION_DENIED    403                 403        a reload the server's options forbid
+    NOT_FOUND            404                 404        an unknown model or version
+    PERMISSION_DENIED    403                 403        a reload or repository control the server's
+                                                        options forbid
     RESOURCE_EXHAUSTED   413                 413        a body over --max-body-bytes (limits.py)
     CANCELLED            499                 499        the client hung up: mid-body, or while its
                                                         call waited (never sent: nobody reads it)

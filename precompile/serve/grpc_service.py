@@ -41,14 +41,19 @@ from loader.outputs import flatten, output_names
 
 from .. import __version__
 from . import predict_v2_pb2 as pb
+from . import repository
 from .codec import MAX_RANK, check_finite
+from .config import ServeConfig
 from .errors import Code, Refused, internal, refusal
 from .oip import _TORCH_TO_DATATYPE, DATATYPES, MAX_SIZE, _binary_tensor, _little_endian_bytes, _metadata, _serving
-from .service import Service
+from .service import Service, count_refusal
 
 log = logging.getLogger("precompile.serve")
 
 SERVICE = "inference.GRPCInferenceService"
+
+
+Found = tuple[Service, Serving]  # the per-model service a name and version name, and what it serves now
 
 
 class Models(Protocol):
@@ -57,52 +62,54 @@ class Models(Protocol):
     def ready(self) -> bool:
         """Whether every served model is loaded and warmed up."""
 
-    def find(self, name: str, version: str) -> Serving:
-        """The model ``name`` (``version``: "" for the served one); Refused (NOT_FOUND, UNAVAILABLE) if none."""
+    def find(self, name: str, version: str) -> Found:
+        """The model ``name`` (``version``: "" for the newest served); Refused (NOT_FOUND, UNAVAILABLE) if none."""
 
-    def metadata(self, serving: Serving) -> dict[str, Any]:
+    def metadata(self, found: Found) -> dict[str, Any]:
         """The Open Inference Protocol's model metadata (name, versions, platform, inputs, outputs)."""
 
-    async def call(self, serving: Serving, inputs: dict[str, torch.Tensor]) -> tuple[Any, str, Serving]:
+    async def call(self, found: Found, inputs: dict[str, torch.Tensor]) -> tuple[Any, str, Serving]:
         """Run one call: outputs, the variant that ran, the version that answered."""
 
-    def count(self, serving: Serving, variant: str, inputs: dict[str, torch.Tensor], start: float) -> None:
+    def count(
+        self, found: Found, serving: Serving, variant: str, inputs: dict[str, torch.Tensor], start: float
+    ) -> None:
         """Count one ModelInfer that succeeded (started at ``start``, perf_counter) in the server's metrics."""
 
-    def count_refused(self, refused: Refused) -> None:
-        """Count one ModelInfer answered with ``refused``."""
+    def count_refused(self, found: Found | None, refused: Refused) -> None:
+        """Count one ModelInfer answered with ``refused`` (``found``: None when no model was found)."""
 
 
-class ServiceModels:
-    """``Models`` over the one-artifact ``Service`` (service.py)."""
+class ServedModels:
+    """``Models`` over what the HTTP routes look models up in (repository.py: the one artifact, or a
+    repository's models and versions), so both protocols serve the same models the same way."""
 
-    def __init__(self, service: Service):
-        self.service = service
+    def __init__(self, models: repository.Models):
+        self.models = models
 
     def ready(self) -> bool:
-        return self.service.live.ready
+        return self.models.ready
 
-    def find(self, name: str, version: str) -> Serving:
-        serving = _serving(self.service, name)
-        if version and version != str(serving.version):
-            raise Refused(
-                Code.NOT_FOUND,
-                f"model {name!r} version {version!r} is not served (this server serves version {serving.version})",
-                "unknown_model",
-            )
-        return serving
+    def find(self, name: str, version: str) -> Found:
+        return _serving(self.models, name, version or None)
 
-    def metadata(self, serving: Serving) -> dict[str, Any]:
-        return _metadata(serving)
+    def metadata(self, found: Found) -> dict[str, Any]:
+        return _metadata(found[1])
 
-    async def call(self, serving: Serving, inputs: dict[str, torch.Tensor]) -> tuple[Any, str, Serving]:
-        return await self.service.call(inputs, None)
+    async def call(self, found: Found, inputs: dict[str, torch.Tensor]) -> tuple[Any, str, Serving]:
+        return await found[0].call(inputs, None)
 
-    def count(self, serving: Serving, variant: str, inputs: dict[str, torch.Tensor], start: float) -> None:
-        self.service.count_served(serving, variant, inputs, start, grpc=True)
+    def count(
+        self, found: Found, serving: Serving, variant: str, inputs: dict[str, torch.Tensor], start: float
+    ) -> None:
+        found[0].count_served(serving, variant, inputs, start, grpc=True)
 
-    def count_refused(self, refused: Refused) -> None:
-        self.service.count_refused(refused.code.value, refused.reason, grpc=True)
+    def count_refused(self, found: Found | None, refused: Refused) -> None:
+        if found is not None:
+            found[0].count_refused(refused.code.value, refused.reason, grpc=True)
+        else:  # an unknown model: counted under model="" (a client cannot grow the label set)
+            labels = tuple("" for _ in self.models.metrics.labels)
+            count_refusal(self.models.metrics, labels, refused.code.value, refused.reason, grpc=True)
 
 
 def _invalid(message: str) -> Refused:
@@ -243,33 +250,42 @@ class Servicer:
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext):
         async def work() -> pb.ModelMetadataResponse:
-            serving = self.models.find(request.name, request.version)
-            described = await _off_loop(self.models.metadata, serving)  # runs the model once
+            found = self.models.find(request.name, request.version)
+            described = await _off_loop(self.models.metadata, found)
             return metadata_message(described)
 
         return await self._answer("ModelMetadata", context, work)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
+        found: Found | None = None
 
         async def work() -> pb.ModelInferResponse:
-            serving = self.models.find(request.model_name, request.model_version)
+            nonlocal found
+            found = self.models.find(request.model_name, request.model_version)
+            manifest = found[1].model.manifest
             # Raw contents are decoded and outputs encoded on the loop: each is a copy of bytes, cheaper
             # than the two hops to a thread and back, and calls that arrive together reach the batcher
             # together (with the hops, each ran alone). Typed contents walk Python lists: off the loop.
             if request.raw_input_contents or not request.inputs:
-                inputs = decode_inputs(request, serving.model.manifest)
+                inputs = decode_inputs(request, manifest)
             else:
-                inputs = await _off_loop(decode_inputs, request, serving.model.manifest)
-            outputs, variant, serving = await self.models.call(serving, inputs)
+                inputs = await _off_loop(decode_inputs, request, manifest)
+            outputs, variant, serving = await self.models.call(found, inputs)
             response = encode_outputs(serving, outputs, request)
-            self.models.count(serving, variant, inputs, start)
+            self.models.count(found, serving, variant, inputs, start)
             return response
 
-        return await self._answer("ModelInfer", context, work, counted=True)
+        return await self._answer(
+            "ModelInfer", context, work, counted=lambda refused: self.models.count_refused(found, refused)
+        )
 
     async def _answer(
-        self, method: str, context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[Any]], counted: bool = False
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        work: Callable[[], Awaitable[Any]],
+        counted: Callable[[Refused], None] | None = None,
     ) -> Any:
         """``work()``'s message, or the exception policy's answer (errors.py) as a gRPC status."""
         try:
@@ -279,8 +295,8 @@ class Servicer:
             if refused is None:
                 log.exception("gRPC %s failed", method)
                 refused = internal(e)
-        if counted:
-            self.models.count_refused(refused)
+        if counted is not None:
+            counted(refused)
         if refused.code is not Code.INTERNAL:
             level = logging.WARNING if refused.code is Code.UNAVAILABLE else logging.INFO
             what = " ".join(str(refused).split())[:200]
@@ -376,17 +392,16 @@ class GrpcServer:
 
 
 @contextlib.contextmanager
-def grpc_beside(service: Service) -> Iterator[GrpcServer | None]:
-    """The gRPC service on ``service.config.grpc_port`` while the block runs (nothing when it is off)."""
-    config = service.config
+def grpc_beside(models: repository.Models, config: ServeConfig) -> Iterator[GrpcServer | None]:
+    """The gRPC service for ``models`` on ``config.grpc_port`` while the block runs (nothing when it is off)."""
     if not config.grpc_port:
         yield None
         return
     server = GrpcServer(
-        ServiceModels(service),
+        ServedModels(models),
         host=config.host,
         port=config.grpc_port,
-        max_message_bytes=service.max_body_bytes,
+        max_message_bytes=models.max_body_bytes,
         reuse_port=config.workers > 1,
     )
     server.start()

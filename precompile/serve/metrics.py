@@ -16,9 +16,11 @@
     precompile_batch_size                            batches run by --batch, by size (histogram)
     precompile_batch_queue_wait_seconds              how long each call waited for its batch (histogram)
     precompile_reloads_total{result}                 swaps to a new version: ok | failed
-    precompile_artifact_info{name,version,digest}    what is serving (read at scrape time)
+    precompile_artifact_info{name,version,digest}    what is serving (read at scrape time; one per
+                                                     version a repository serves)
 
-Each app has its own registry. With several uvicorn workers the counters live in
+Serving a repository (``precompile serve REPO``), every metric but the artifact info has a ``model``
+label first: the model's name. Each app has its own registry. With several uvicorn workers the counters live in
 ``PROMETHEUS_MULTIPROC_DIR`` and every scrape sums them over the workers; the artifact info is then
 the answering worker's.
 """
@@ -56,13 +58,12 @@ def shape_bucket(dims: dict[str, int]) -> str:
 class ArtifactInfo(Collector):
     """Reports what is serving when scraped, so a swap needs no bookkeeping here."""
 
-    def __init__(self, serving: Callable[[], dict | None]):
+    def __init__(self, serving: Callable[[], list[dict]]):
         self._serving = serving  # not "describe": the registry calls a collector's describe()
 
     def collect(self) -> Iterator[InfoMetricFamily]:
         metric = InfoMetricFamily("precompile_artifact", "The artifact being served")
-        serving = self._serving()
-        if serving is not None:
+        for serving in self._serving():
             metric.add_metric(
                 [], {"name": serving["name"], "version": str(serving["version"]), "digest": serving["digest"]}
             )
@@ -70,7 +71,12 @@ class ArtifactInfo(Collector):
 
 
 class Metrics:
-    def __init__(self, describe_artifact: Callable[[], dict | None]):
+    """The registry and its metrics. ``describe_artifacts``: what is serving, read at scrape time;
+    ``labels``: label names every metric but the info has first (``("model",)`` for a repository),
+    whose values each caller passes first."""
+
+    def __init__(self, describe_artifacts: Callable[[], list[dict]], *, labels: tuple[str, ...] = ()):
+        self.labels = labels
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         if self.multiprocess:
@@ -81,46 +87,63 @@ class Metrics:
         else:
             owner = self.registry
         self.requests = Counter(
-            "precompile_requests", "/predict and /v2 infer responses by HTTP status", ["code"], registry=owner
+            "precompile_requests", "/predict and /v2 infer responses by HTTP status", [*labels, "code"], registry=owner
         )
         self.grpc_requests = Counter(
-            "precompile_grpc_requests", "gRPC ModelInfer answers by status code", ["code"], registry=owner
+            "precompile_grpc_requests", "gRPC ModelInfer answers by status code", [*labels, "code"], registry=owner
         )
         self.latency = Histogram(
             "precompile_predict_seconds",
             "Latency of successful /predict and /v2 infer requests, by variant and its precision",
-            ["variant", "precision"],
+            [*labels, "variant", "precision"],
             buckets=LATENCY_BUCKETS,
             registry=owner,
         )
         self.rejections = Counter(
-            "precompile_rejections", "Refused /predict and /v2 infer requests by reason", ["reason"], registry=owner
+            "precompile_rejections",
+            "Refused /predict and /v2 infer requests by reason",
+            [*labels, "reason"],
+            registry=owner,
         )
         self.shapes = Counter(
             "precompile_shape_calls",
             "Predictions per shape bucket (dims rounded up to powers of two)",
-            ["shape"],
+            [*labels, "shape"],
             registry=owner,
         )
         self.batch_size = Histogram(
-            "precompile_batch_size", "Batches run by --batch, by size", buckets=BATCH_BUCKETS, registry=owner
+            "precompile_batch_size",
+            "Batches run by --batch, by size",
+            labels,
+            buckets=BATCH_BUCKETS,
+            registry=owner,
         )
         self.queue_wait = Histogram(
             "precompile_batch_queue_wait_seconds",
             "How long each call waited for its batch",
+            labels,
             buckets=LATENCY_BUCKETS,
             registry=owner,
         )
         self.reloads = Counter(
-            "precompile_reloads", "Swaps to a new artifact version, by result", ["result"], registry=owner
+            "precompile_reloads", "Swaps to a new artifact version, by result", [*labels, "result"], registry=owner
         )
-        self.registry.register(ArtifactInfo(describe_artifact))
+        self.registry.register(ArtifactInfo(describe_artifacts))
 
-    def count_batch(self, size: int, waits: list[float]) -> None:
-        """``loader.Batcher``'s ``on_batch``: one batch of ``size`` and its calls' queue waits."""
-        self.batch_size.observe(size)
+    def count_batch(self, size: int, waits: list[float], values: tuple[str, ...] = ()) -> None:
+        """``loader.Batcher``'s ``on_batch``: one batch of ``size`` and its calls' queue waits
+        (``values``: those of ``labels``)."""
+        sizes, queue_wait = (
+            (self.batch_size, self.queue_wait)
+            if not values
+            else (
+                self.batch_size.labels(*values),
+                self.queue_wait.labels(*values),
+            )
+        )
+        sizes.observe(size)
         for seconds in waits:
-            self.queue_wait.observe(seconds)
+            queue_wait.observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

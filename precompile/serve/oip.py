@@ -6,6 +6,9 @@
     GET  /v2/models/{name}            inputs and outputs: name, datatype (INT64, FP32, BOOL...), shape (-1: dynamic)
     GET  /v2/models/{name}/ready      200 once loaded
     POST /v2/models/{name}/infer      {"inputs": [{"name", "shape", "datatype", "data"}]} -> {"model_name", "outputs": [...]}
+    .../versions/{v}/...              the same three for one version (without: the newest ready one)
+    POST /v2/repository/index         [{"name", "version", "state", "reason"}] (GET too; {"ready": true}: READY only)
+    POST /v2/repository/models/{name}/load | unload    the repository extension (--allow-repository-control)
 
 The binary tensor data extension is supported both ways: a request whose JSON header is followed by
 raw little-endian tensors (``Inference-Header-Content-Length``, ``binary_data_size`` per input), and
@@ -13,8 +16,9 @@ outputs in binary when asked (``binary_data`` per requested output, or ``binary_
 all). Errors are ``{"error": "..."}``, statuses from the server's exception policy (errors.py):
 400 for a bad request (any field of the wrong JSON type, ``parameters`` included), inputs the codec
 or the guards refuse (NaN or infinity, binary or not, as /predict refuses them), or outputs JSON
-cannot carry; 404 for an unknown model, 413 over the body limit, 503 while nothing is loaded or the
-batch queue is full.
+cannot carry; 404 for an unknown model or version, 403 for the repository extension while it is off,
+413 over the body limit, 503 while nothing is loaded or the batch queue is full. The routes look
+models up by name in ``repository.py`` (one artifact, or a repository).
 
 Output names: ``output`` for a single tensor; otherwise the path in forward()'s result, dict keys by
 name and sequence items by index (``output.0``, ``output.1``; ``logits``, ``extra.0``).
@@ -38,8 +42,9 @@ from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 
 from .. import __version__
-from .codec import MAX_RANK, check_finite, dumps, json_kind, parse_json, to_tensor
+from .codec import MAX_RANK, BodyError, check_finite, dumps, json_kind, parse_json, to_tensor
 from .errors import Code, Refused
+from .repository import Models, Repository
 from .service import Service
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -63,15 +68,17 @@ def _invalid(message: str) -> Refused:
     return Refused(Code.INVALID_ARGUMENT, message, "invalid_body")
 
 
-def mount_oip(app: FastAPI, service: Service) -> None:
-    """Add the /v2 routes to ``app``, serving ``service``'s model. Every refusal and failure is
-    answered by the server's exception policy (errors.py), as ``{"error": message}``."""
+def mount_oip(app: FastAPI, models: Models) -> None:
+    """Add the /v2 routes to ``app``, serving ``models``. Every refusal and failure is answered by
+    the server's exception policy (errors.py), as ``{"error": message}``."""
     router = APIRouter(prefix="/v2")
+    control = isinstance(models, Repository) and models.config.allow_repository_control
 
     @router.get("")
     def server_metadata() -> dict:
         """Server name, version and protocol extensions."""
-        return {"name": "precompile", "version": __version__, "extensions": ["binary_tensor_data"]}
+        extensions = ["binary_tensor_data", *(["model_repository"] if control else [])]
+        return {"name": "precompile", "version": __version__, "extensions": extensions}
 
     @router.get("/health/live")
     def live() -> dict:
@@ -80,38 +87,103 @@ def mount_oip(app: FastAPI, service: Service) -> None:
 
     @router.get("/health/ready")
     def ready() -> JSONResponse:
-        """The artifact is loaded and warmed up."""
-        ok = service.live.ready
+        """The artifact is loaded and warmed up (a repository: one model at least, once all were tried)."""
+        ok = models.ready
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @router.get("/models/{name}")
+    @router.get("/models/{name}/versions/{version}")
     async def model_metadata(name: str, request: Request) -> Response:
         """The model's inputs and outputs: names, datatypes, shapes (-1 for a dynamic dim)."""
-        return await service.answer(
-            request, lambda: run_in_threadpool(lambda: JSONResponse(_metadata(_serving(service, name))))
-        )
+
+        version = request.path_params.get("version")
+
+        def metadata() -> JSONResponse:
+            described = _metadata(_serving(models, name, version)[1])
+            if version is None:
+                described["versions"] = models.versions(name)
+            return JSONResponse(described)
+
+        return await models.answer(request, lambda: run_in_threadpool(metadata))
 
     @router.get("/models/{name}/ready")
+    @router.get("/models/{name}/versions/{version}/ready")
     async def model_ready(name: str, request: Request) -> Response:
         """The named model is loaded and warmed up."""
 
         async def work() -> Response:
-            _serving(service, name)
+            _serving(models, name, request.path_params.get("version"))
             return JSONResponse({"name": name, "ready": True})
 
-        return await service.answer(request, work)
+        return await models.answer(request, work)
 
     @router.post("/models/{name}/infer")
+    @router.post("/models/{name}/versions/{version}/infer")
     async def infer(name: str, request: Request) -> Response:
         """Run the model on JSON or binary tensors (the binary tensor data extension)."""
-        return await service.answer(request, lambda: _infer(service, name, request))
+        return await models.answer(request, lambda: _infer(models, name, request.path_params.get("version"), request))
+
+    @router.get("/repository/index")
+    @router.post("/repository/index")
+    async def repository_index(request: Request) -> Response:
+        """Every model and version, READY, LOADING or UNAVAILABLE (with the reason); {"ready": true}: READY only."""
+
+        async def work() -> Response:
+            repository = models.control()
+            ready_only = _flag("index request", _index_request(await request.body()), "ready", False)
+            return JSONResponse(repository.index(ready_only=ready_only))
+
+        return await models.answer(request, work)
+
+    @router.post("/repository/models/{name}/load")
+    async def repository_load(name: str, request: Request) -> Response:
+        """Scan the repository for the model and serve its versions (the policy's); failed ones are retried."""
+
+        async def work() -> Response:
+            repository = models.control()
+            _no_parameters(await request.body())
+            await run_in_threadpool(repository.load, name)
+            return JSONResponse({})
+
+        return await models.answer(request, work)
+
+    @router.post("/repository/models/{name}/unload")
+    async def repository_unload(name: str, request: Request) -> Response:
+        """Stop serving every version of the model (calls running on it finish first)."""
+
+        async def work() -> Response:
+            repository = models.control()
+            _no_parameters(await request.body())
+            await run_in_threadpool(repository.unload, name)
+            return JSONResponse({})
+
+        return await models.answer(request, work)
 
     app.include_router(router)
 
 
-async def _infer(service: Service, name: str, request: Request) -> Response:
+def _index_request(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        return {}
+    data = parse_json(body)
+    if not isinstance(data, dict) or not set(data) <= {"ready"}:
+        raise BodyError('expected {"ready": true|false} or no body')
+    return data
+
+
+def _no_parameters(body: bytes) -> None:
+    """A load or unload body: none, {} or {"parameters": {}}. A path or a config to load from is refused:
+    what is loaded is what the repository holds under that name."""
+    if not body.strip():
+        return
+    data = parse_json(body)
+    if not isinstance(data, dict) or not set(data) <= {"parameters"} or data.get("parameters", {}) != {}:
+        raise BodyError("load and unload take no parameters: they name a model the repository holds")
+
+
+async def _infer(models: Models, name: str, version: str | None, request: Request) -> Response:
     start = time.perf_counter()
-    serving = _serving(service, name)
+    service, serving = _serving(models, name, version)
     body = await request.body()
     header = request.headers.get(HEADER_LENGTH)
     parsed = await run_in_threadpool(parse_infer_request, body, header, serving.model.manifest)
@@ -121,13 +193,15 @@ async def _infer(service: Service, name: str, request: Request) -> Response:
     return response
 
 
-def _serving(service: Service, name: str) -> Serving:
+def _serving(models: Models, name: str, version: str | None) -> tuple[Service, Serving]:
+    service = models.lookup(name, version)
     serving = service.live.current
     if serving is None:
+        attempt = service.live.last_attempt
+        if attempt is not None and not attempt.ok and isinstance(models, Repository):
+            raise Refused(Code.UNAVAILABLE, f"model {name!r} is unavailable: {attempt.error}")
         raise Refused(Code.UNAVAILABLE, "no model is loaded yet")
-    if name != serving.name:
-        raise Refused(Code.NOT_FOUND, f"unknown model {name!r} (this server serves {serving.name!r})", "unknown_model")
-    return serving
+    return service, serving
 
 
 # --- metadata --------------------------------------------------------------------------------

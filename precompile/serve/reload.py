@@ -52,8 +52,9 @@ def parse_reload_request(raw: bytes) -> str | None:
         raise BodyError(f'expected {{"path": "<artifact folder, pack or pointer>"}} ({problems})') from None
 
 
-def reload_target(path: str | None, *, served: str, root: str | None) -> str:
-    """The path to swap to for a request naming ``path``; ReloadRefused when it may not be loaded."""
+def reload_target(path: str | None, *, served: str, root: str | None, what: str = "--reload-root") -> str:
+    """The path to swap to for a request naming ``path``; ReloadRefused when it may not be loaded.
+    ``what`` names ``root`` in refusals (a repository's scan confines its finds the same way)."""
     if path is None or os.path.abspath(path) == os.path.abspath(served):
         return served
     if root is None:
@@ -66,10 +67,10 @@ def reload_target(path: str | None, *, served: str, root: str | None) -> str:
     try:
         real = candidate.resolve()
     except (OSError, ValueError, RuntimeError):  # a link loop, a name with NUL
-        raise ReloadRefused(f"{path}: not a path under --reload-root {base}") from None
+        raise ReloadRefused(f"{path}: not a path under {what} {base}") from None
     if not real.is_relative_to(base):
-        raise ReloadRefused(f"{path}: not under --reload-root {base} (symbolic links followed)")
+        raise ReloadRefused(f"{path}: not under {what} {base} (symbolic links followed)")
     target = resolve_pointer(real)  # a pointer file under the root may still name something outside
     if not target.is_relative_to(base):
-        raise ReloadRefused(f"{path}: designates an artifact outside --reload-root {base}")
+        raise ReloadRefused(f"{path}: designates an artifact outside {what} {base}")
     return str(target)

@@ -1,7 +1,10 @@
-"""The service behind the app's routes: one loaded artifact (``loader.Live``), its metrics, the
-optional batcher, and the one exception policy every route's work runs through (``answer``).
+"""The service behind the app's routes: one served model (``Service``: its ``loader.Live``, its
+metrics, the optional batcher), and the one exception policy every route's work runs through
+(``answer``).
 
-``app.create_app`` mounts the HTTP routes on it, ``oip.mount_oip`` the Open Inference Protocol's.
+The routes look a Service up by name through repository.py (the one artifact, or a repository's
+model versions); ``app.create_app`` mounts the HTTP routes, ``oip.mount_oip`` the Open Inference
+Protocol's. ``Service.call`` is the one entry point that runs a decoded request on a model.
 """
 
 from __future__ import annotations
@@ -31,17 +34,35 @@ log = logging.getLogger("precompile.serve")
 
 
 class Service:
-    """Everything one server process holds: the Live model, metrics, the recorder."""
+    """One served model: its Live holder, its batcher, the metrics it counts into, the recorder.
 
-    def __init__(self, config: ServeConfig, live: Live | None = None):
+    ``precompile serve ARTIFACT`` holds one; a repository (repository.py) one per model version,
+    sharing one ``metrics`` registry whose ``labels`` (the model's name) each counts under.
+    ``check(model)`` runs on every version the Live loads (a repository's: the model's name).
+    """
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        live: Live | None = None,
+        *,
+        metrics: Metrics | None = None,
+        labels: tuple[str, ...] = (),
+        check: Callable[[Any], None] | None = None,
+    ):
         self.config = config
-        self.live = live if live is not None else Live(allow_rollback=config.allow_rollback, **config.load_options())
+        self.live = (
+            live
+            if live is not None
+            else Live(allow_rollback=config.allow_rollback, check=check, **config.load_options())
+        )
         self.max_body_bytes = config.max_body_bytes or self._default_body_limit()
-        self.metrics = Metrics(self.describe_serving)
+        self.labels = labels
+        self.metrics = metrics if metrics is not None else Metrics(lambda: listed(self.describe_serving()))
         self.live.on_attempt(self._count_attempt)
         self.recorder: TrafficRecorder | None = None
         self.batcher: Batcher | None = (
-            Batcher(self.live, **config.batcher_options(), on_batch=self.metrics.count_batch) if config.batch else None
+            Batcher(self.live, **config.batcher_options(), on_batch=self._count_batch) if config.batch else None
         )
         self.instances: Instances | None = None  # without --batch: started with the service
         self._loader: threading.Thread | None = None
@@ -68,9 +89,13 @@ class Service:
         if self.config.watch:
             self.live.watch(self.config.artifact, interval=self.config.watch_interval)
 
-    def stop(self) -> None:
+    def join_load(self) -> None:
+        """Wait until the first load (started by ``start``) has succeeded or failed."""
         if self._loader is not None:
             self._loader.join()
+
+    def stop(self) -> None:
+        self.join_load()
         if self.batcher is not None:
             self.batcher.close()
         if self.instances is not None:
@@ -80,11 +105,14 @@ class Service:
             self.recorder.close()
 
     def _count_attempt(self, attempt: SwapAttempt) -> None:
-        self.metrics.reloads.labels("ok" if attempt.ok else "failed").inc()
+        self.metrics.reloads.labels(*self.labels, "ok" if attempt.ok else "failed").inc()
         if attempt.ok:
             log.info("serving %s version %s from %s", self.live.serving.name, attempt.version, attempt.path)
         else:
             log.error("could not load %s: %s", attempt.requested, attempt.error)
+
+    def _count_batch(self, size: int, waits: list[float]) -> None:
+        self.metrics.count_batch(size, waits, self.labels)
 
     def _default_body_limit(self) -> int:
         serving = self.live.current
@@ -101,45 +129,25 @@ class Service:
     # --- answering -----------------------------------------------------------------------------
 
     async def answer(self, request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
-        """``work()``'s response, or the exception policy's answer to what it raised (errors.py): every
-        handler's one way to fail, so none can turn a refusal into a 5xx."""
-        try:
-            return await work()
-        except Exception as e:  # noqa: BLE001: the policy decides; a server fault is logged with its traceback
-            refused = refusal(e)
-            if refused is None:
-                log.exception("%s %s failed", request.method, request.url.path)
-                refused = internal(e)
-            return self.refuse(request.scope, refused)
+        """``work()``'s response, or the exception policy's answer to what it raised (errors.py)."""
+        return await answer(request, work, self.refuse)
 
     def refuse(self, scope: dict[str, Any], refused: Refused) -> JSONResponse:
         """The response to ``refused`` in the protocol of ``scope``'s path, counted and logged in one line."""
-        path = scope["path"]
-        protocol = OIP if path.startswith("/v2") else API
-        status = protocol.status(refused.code)
-        if path == "/predict" or (path.startswith("/v2/models/") and path.endswith("/infer")):
-            self.count_refused(status, refused.reason)
-        if refused.code is not Code.INTERNAL:  # a server fault was logged with its traceback already
-            level = logging.WARNING if refused.code is Code.UNAVAILABLE else logging.INFO
-            what = " ".join(str(refused).split())[:200]  # one line, whatever the message holds
-            log.log(
-                level, "%s %s: %d %s: %s", scope.get("method"), path, status, refused.reason or refused.code.value, what
-            )
-        return JSONResponse(protocol.body(refused), status_code=status)
+        return refusal_response(scope, refused, self.count_refused)
 
     # --- predict -------------------------------------------------------------------------------
 
-    async def call(self, inputs: dict[str, Any], request: Request | None) -> tuple[Any, str, Serving]:
-        """Run one call on an execution instance, or through the batcher with --batch; raises what the
-        call raises. A queued call whose client hangs up is cancelled (dropped from its queue or batch)
-        and ends in ClientGone; without ``request`` (gRPC), cancelling the awaiting task does that."""
+    async def call(self, inputs: dict[str, Any], request: Request | None = None) -> tuple[Any, str, Serving]:
+        """Run one decoded call on this model: on an execution instance, or through the batcher with
+        --batch; raises what the call raises. The one entry point every protocol's infer uses. A queued
+        call whose client hangs up (``request``'s connection; None, as for gRPC: cancelling the awaiting
+        task does it) is cancelled, dropped from its queue or batch, and ends in ClientGone."""
         if self.batcher is None:
             pending = asyncio.wrap_future(self.instances.submit(self.live.call_detailed, **inputs))
         else:  # guards run in submit (cheap), so a refused call is never queued
             pending = asyncio.wrap_future(self.batcher.submit(**inputs))
-        if request is None:
-            return await pending
-        return await unless_disconnected(pending, request.receive)
+        return await (pending if request is None else unless_disconnected(pending, request.receive))
 
     async def predict(self, request: Request) -> Response:
         start = time.perf_counter()
@@ -174,16 +182,17 @@ class Service:
     ) -> None:
         """Count one successful prediction (/predict, /v2 infer or gRPC ModelInfer): latency by
         variant, shape, and 200 (gRPC: OK)."""
-        self.metrics.latency.labels(variant, _precision(serving.model, variant)).observe(time.perf_counter() - start)
-        self.metrics.shapes.labels(shape_bucket(_dims(serving.model, inputs))).inc()
-        (self.metrics.grpc_requests.labels("OK") if grpc else self.metrics.requests.labels("200")).inc()
+        labels = self.labels
+        self.metrics.latency.labels(*labels, variant, _precision(serving.model, variant)).observe(
+            time.perf_counter() - start
+        )
+        self.metrics.shapes.labels(*labels, shape_bucket(_dims(serving.model, inputs))).inc()
+        (self.metrics.grpc_requests if grpc else self.metrics.requests).labels(*labels, "OK" if grpc else "200").inc()
 
     def count_refused(self, code: int | str, reason: str | None, *, grpc: bool = False) -> None:
         """Count one prediction request answered with ``code`` (an HTTP status; gRPC: a status code's
         name), and its reason."""
-        (self.metrics.grpc_requests if grpc else self.metrics.requests).labels(str(code)).inc()
-        if reason is not None:
-            self.metrics.rejections.labels(reason).inc()
+        count_refusal(self.metrics, self.labels, code, reason, grpc=grpc)
 
     # --- artifact and reload -------------------------------------------------------------------
 
@@ -219,6 +228,61 @@ class Service:
         except LoaderError as e:
             return JSONResponse({"detail": str(e), "serving": before}, status_code=422)
         return JSONResponse({"serving": new.describe(), "previous": before})
+
+
+async def answer(
+    request: Request, work: Callable[[], Awaitable[Response]], refuse: Callable[[dict[str, Any], Refused], Response]
+) -> Response:
+    """``work()``'s response, or ``refuse``'s answer to what it raised as the exception policy
+    (errors.py) reads it: every handler's one way to fail, so none can turn a refusal into a 5xx."""
+    try:
+        return await work()
+    except Exception as e:  # noqa: BLE001: the policy decides; a server fault is logged with its traceback
+        refused = refusal(e)
+        if refused is None:
+            log.exception("%s %s failed", request.method, request.url.path)
+            refused = internal(e)
+        return refuse(request.scope, refused)
+
+
+def is_prediction(path: str) -> bool:
+    """Whether ``path`` runs a model (/predict, /predict/{name}, /v2 infer): those refusals are counted."""
+    return (
+        path == "/predict"
+        or path.startswith("/predict/")
+        or (path.startswith("/v2/models/") and path.endswith("/infer"))
+    )
+
+
+def refusal_response(scope: dict[str, Any], refused: Refused, count: Callable[[int, str | None], None]) -> JSONResponse:
+    """The response to ``refused`` in the protocol of ``scope``'s path, counted with ``count(status,
+    reason)`` when the path runs a model, and logged in one line."""
+    path = scope["path"]
+    protocol = OIP if path.startswith("/v2") else API
+    status = protocol.status(refused.code)
+    if is_prediction(path):
+        count(status, refused.reason)
+    if refused.code is not Code.INTERNAL:  # a server fault was logged with its traceback already
+        level = logging.WARNING if refused.code is Code.UNAVAILABLE else logging.INFO
+        what = " ".join(str(refused).split())[:200]  # one line, whatever the message holds
+        log.log(
+            level, "%s %s: %d %s: %s", scope.get("method"), path, status, refused.reason or refused.code.value, what
+        )
+    return JSONResponse(protocol.body(refused), status_code=status)
+
+
+def count_refusal(
+    metrics: Metrics, labels: tuple[str, ...], code: int | str, reason: str | None, *, grpc: bool = False
+) -> None:
+    """Count one prediction request answered with ``code`` (gRPC: a status code's name), and its
+    reason, under ``labels``."""
+    (metrics.grpc_requests if grpc else metrics.requests).labels(*labels, str(code)).inc()
+    if reason is not None:
+        metrics.rejections.labels(*labels, reason).inc()
+
+
+def listed(serving: dict | None) -> list[dict]:
+    return [serving] if serving is not None else []
 
 
 def _precision(model: Any, variant: str) -> str:

@@ -35,6 +35,7 @@ from loader.remote import (
     StoreIndex,
     download,
     filesystem,
+    list_models,
     read_index,
     read_remote_head,
     retried,
@@ -94,27 +95,8 @@ def push(artifact: str | os.PathLike, url: str, *, level: int = 3) -> Pushed:
 
 
 def ls(url: str) -> dict[str, StoreIndex]:
-    """The models under a store URL and their versions: ``{name: index}``. ``url`` may be a store
-    root (every ``<name>/index.json`` under it) or one model's folder."""
-    fs, path = filesystem(url)
-    own = f"{url.rstrip('/')}/{INDEX_FILE}"
-    own_fs, own_path = filesystem(own)
-    if retried(own, "reach the store", lambda: own_fs.exists(own_path)):
-        index = read_index(url)
-        return {index.name: index}
-    found: dict[str, StoreIndex] = {}
-    try:
-        listing = retried(url, "list the store", lambda: fs.ls(path, detail=True))
-    except MissingObjectError:
-        return found  # a fresh file:// store: nothing pushed yet
-    for entry in listing:
-        if entry.get("type") != "directory":
-            continue
-        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-        index = read_index(f"{url.rstrip('/')}/{name}")
-        if index.entries:
-            found[name] = index
-    return found
+    """The models under a store URL and their versions: ``{name: index}`` (``loader.remote.list_models``)."""
+    return list_models(url)
 
 
 def pull(url: str, *, version: int | None = None, output: str | os.PathLike | None = None) -> tuple[Path, int]:
