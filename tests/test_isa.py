@@ -182,6 +182,17 @@ def test_the_pinned_vector_isa_is_the_levels_alone():
         assert cpu_vec_isa.pick_vec_isa().build_arch_flags() == "-mavx2 -mfma -mf16c"
 
 
+def test_inspect_names_each_variants_isa(portable):
+    from click.testing import CliRunner
+
+    from precompile.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(portable.path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"dynamic-v3 .*\[x86-64-v3\]", result.output)
+    assert re.search(r"dynamic-v4 .*\[x86-64-v4\]", result.output)
+
+
 def test_a_build_host_without_a_level_is_refused_before_compiling(tmp_path, monkeypatch):
     import precompile.stages.targets as targets
 
