@@ -193,6 +193,22 @@ def test_inspect_names_each_variants_isa(portable):
     assert re.search(r"dynamic-v4 .*\[x86-64-v4\]", result.output)
 
 
+def test_every_unit_of_a_level_compiles_for_it_unfrozen(tmp_path):
+    from precompile.stages.plan import make_plan
+    from precompile.stages.targets import compile_tasks, expand_precisions, expand_targets
+
+    text = PROFILE + "precision: [fp32, bf16]\ncompile: {tune: {preset: cpu}}\n"
+    profile = load_profile(write_profile(tmp_path, text)).profile
+    variants = expand_precisions(
+        expand_targets(make_plan(load_profile(tmp_path / "profile.yaml")), ("cpu",), profile), profile
+    )
+    tasks = compile_tasks(variants, profile.compile.candidates())
+    assert sorted({t.vp.id for t in tasks}) == ["bf16-dynamic-v3", "bf16-dynamic-v4", "dynamic-v3", "dynamic-v4"]
+    for t in tasks:  # the preset's freezing candidate and bf16's freezing too: no prepacking for the build host
+        width = {"x86-64-v3": 256, "x86-64-v4": 512}[t.vp.isa]
+        assert (t.options["cpp.march"], t.options["cpp.simdlen"], t.options["freezing"]) == (t.vp.isa, width, False)
+
+
 def test_a_build_host_without_a_level_is_refused_before_compiling(tmp_path, monkeypatch):
     import precompile.stages.targets as targets
 
