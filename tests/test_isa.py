@@ -209,6 +209,31 @@ def test_every_unit_of_a_level_compiles_for_it_unfrozen(tmp_path):
         assert (t.options["cpp.march"], t.options["cpp.simdlen"], t.options["freezing"]) == (t.vp.isa, width, False)
 
 
+def test_a_levels_tuning_trials_record_the_options_it_compiled_with(tmp_path):
+    from precompile.stages.tune import tune_variants
+    from precompile.units import CompiledPackage, CompiledUnit, CompiledUnits, VariantPlan
+
+    profile = load_profile(write_profile(tmp_path, PROFILE)).profile
+    vp = VariantPlan(
+        "dynamic-v3", "dynamic", {"batch": (1, 4), "seq": (2, 16)}, {"batch": 2, "seq": 8}, isa="x86-64-v3"
+    )
+    units = []
+    for k in (0, 1):
+        (tmp_path / f"dynamic-v3.c{k}.pt2").write_bytes(b"")
+        units.append(CompiledUnit(vp, CompiledPackage(tmp_path / f"dynamic-v3.c{k}.pt2", {}, {}), 1.0, k))
+    result = tune_variants(
+        profile,
+        torch.nn.Identity(),
+        [vp],
+        CompiledUnits(tuple(units)),
+        [{}, {"freezing": True}],
+        {},
+        open_runner=lambda package, device: None,
+        measure_unit=lambda runner, unit, shapes: (1.0 + unit.candidate, 0.0),
+    )
+    assert [(t.options["freezing"], t.options["cpp.march"]) for t in result.trials] == [(False, "x86-64-v3")] * 2
+
+
 def test_a_build_host_without_a_level_is_refused_before_compiling(tmp_path, monkeypatch):
     import precompile.stages.targets as targets
 

@@ -20,6 +20,7 @@ import torch
 
 from ..compare import CheckReport, compare
 from ..errors import CheckError
+from ..options import ISA_OPTIONS
 from ..profile import Profile
 from ..runners import Runner, device_sync, open_candidate, run_eager, time_calls
 from ..samples import make_inputs, to_device
@@ -120,8 +121,11 @@ def tune_variants(
     kept, trials = [], []
     for vp in variants:
         shapes = serving_shapes(vp, traffic, tuple(profile.dims))
+        # A variant built for an x86-64 level compiled each candidate with its level's options over it.
+        level = ISA_OPTIONS.get(vp.isa or "", {})
         mine = [
-            _trial(vp, k, options, compiled, shapes, open_runner, measure_unit) for k, options in enumerate(candidates)
+            _trial(vp, k, {**options, **level}, compiled, shapes, open_runner, measure_unit)
+            for k, options in enumerate(candidates)
         ]
         best = choose(mine)
         mine = [best if t.candidate == best.candidate else t for t in mine]
