@@ -84,3 +84,13 @@ ISA_OPTIONS: dict[str, dict[str, Any]] = {
     "x86-64-v3": {"cpp.simdlen": 256, "cpp.march": "x86-64-v3", "freezing": False},
     "x86-64-v4": {"cpp.simdlen": 512, "cpp.march": "x86-64-v4", "freezing": False},
 }
+
+
+def same_as_earlier(candidates: list[dict[str, Any]], k: int, isa: str | None) -> int | None:
+    """The earlier candidate that compiles exactly as candidate ``k`` does for ``isa`` (None: none):
+    a level's options override the candidates' (``{}`` and ``{freezing: true}`` are then one), so
+    such a candidate is compiled and timed once."""
+    if isa is None:
+        return None
+    mine = unit_options(candidates[k], isa=isa)
+    return next((j for j in range(k) if unit_options(candidates[j], isa=isa) == mine), None)

@@ -210,6 +210,7 @@ def test_every_unit_of_a_level_compiles_for_it_unfrozen(tmp_path):
 
 
 def test_a_levels_tuning_trials_record_the_options_it_compiled_with(tmp_path):
+    from precompile.stages.targets import compile_tasks
     from precompile.stages.tune import tune_variants
     from precompile.units import CompiledPackage, CompiledUnit, CompiledUnits, VariantPlan
 
@@ -217,21 +218,26 @@ def test_a_levels_tuning_trials_record_the_options_it_compiled_with(tmp_path):
     vp = VariantPlan(
         "dynamic-v3", "dynamic", {"batch": (1, 4), "seq": (2, 16)}, {"batch": 2, "seq": 8}, isa="x86-64-v3"
     )
+    candidates = [{}, {"freezing": True}, {"max_autotune": True}]
+    tasks = compile_tasks([vp], candidates)
+    assert [t.candidate for t in tasks] == [0, 2]  # {freezing: true} compiles as {} for a level: once
     units = []
-    for k in (0, 1):
-        (tmp_path / f"dynamic-v3.c{k}.pt2").write_bytes(b"")
-        units.append(CompiledUnit(vp, CompiledPackage(tmp_path / f"dynamic-v3.c{k}.pt2", {}, {}), 1.0, k))
+    for t in tasks:
+        (tmp_path / t.file).write_bytes(b"")
+        units.append(CompiledUnit(vp, CompiledPackage(tmp_path / t.file, {}, {}), 1.0, t.candidate))
     result = tune_variants(
         profile,
         torch.nn.Identity(),
         [vp],
         CompiledUnits(tuple(units)),
-        [{}, {"freezing": True}],
+        candidates,
         {},
         open_runner=lambda package, device: None,
         measure_unit=lambda runner, unit, shapes: (1.0 + unit.candidate, 0.0),
     )
-    assert [(t.options["freezing"], t.options["cpp.march"]) for t in result.trials] == [(False, "x86-64-v3")] * 2
+    assert [(t.options["freezing"], t.options["cpp.march"]) for t in result.trials] == [(False, "x86-64-v3")] * 3
+    assert result.trials[1].error == "compiles as candidate 0 for x86-64-v3"
+    assert [u.candidate for u in result.kept] == [0]
 
 
 def test_a_build_host_without_a_level_is_refused_before_compiling(tmp_path, monkeypatch):

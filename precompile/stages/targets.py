@@ -25,7 +25,7 @@ from loader.manifest import CudaInfo
 
 from ..cpu_isa import build_host_problem
 from ..errors import PrecompileError
-from ..options import unit_options
+from ..options import same_as_earlier, unit_options
 from ..profile import Profile
 from ..progress import Progress
 from ..units import CompileTask, Plan, VariantPlan, isa_suffix, package_file
@@ -116,6 +116,8 @@ def compile_tasks(variants: Sequence[VariantPlan], candidates: Sequence[dict[str
                 if k == 0:
                     tasks.append(CompileTask(vp, 0, unit_options(options, vp.precision, vp.isa), package_file(vp.id)))
                 continue
+            if same_as_earlier(list(candidates), k, vp.isa) is not None:
+                continue  # the level's options make it an earlier candidate: tune reports it as that one
             tasks.append(
                 CompileTask(vp, k, unit_options(options, isa=vp.isa), package_file(vp.id, k if tuning else None))
             )
