@@ -1,6 +1,7 @@
 """Precision variants against eager and the CPU peers: MiniLM (real weights) and ResNet-50.
 
     .venv/bin/python -m bench.precision [--models minilm resnet50] [--seconds 1.0] [--out bench/results/precision.json]
+    .venv/bin/python -m bench.precision --isa [--models minilm resnet50] [--out bench/results/isa.json]
 
 For each model: builds ``profiles/bench/<model>_precision.yaml`` (fp32, bf16 and int8 under the
 accuracy gate; MiniLM's calibration inputs are real sentences: minilm_calibration.jsonl, written by
@@ -12,6 +13,11 @@ median ms per shape, their sum, and each method's accuracy against fp32 eager (s
 similarity of output rows on the calibration inputs: for MiniLM, sentence embeddings).
 
 Needs the bench extra (make venv-bench). Run it on a quiet machine: about 15 minutes on 2 cores.
+
+``--isa``: what portable code costs, per call. Builds ``profiles/bench/<model>.yaml`` (fp32) with
+``cpu: {isa: [native, x86-64-v3, x86-64-v4]}`` (the levels this host runs) and times, per shape, the
+native variants against each level's (``loader.load(cpu_isa=...)``): AVX2 against AVX-512 on one
+CPU, and both against the build host's own code. ``--models quick`` is the smoke run (a tiny model).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ SHAPES = {
         {"batch": 1, "height": 64, "width": 112},
         {"batch": 2, "height": 128, "width": 80},
     ],
+    # profiles/bench/quick.yaml: the smoke run of --isa.
+    "quick": [{"batch": 1, "seq": 16}, {"batch": 2, "seq": 9}],
 }
 
 SENTENCES = [
@@ -227,11 +235,50 @@ def time_shapes(
     return rows
 
 
+def run_isa(name: str, work: Path, seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """Build ``name``'s fp32 bench profile natively and for each x86-64 level this host runs, then time
+    each per call on the model's shapes (``--isa`` in the module docstring)."""
+    import yaml
+
+    import loader
+    from loader.host import cpu_features
+    from loader.isa import LEVELS, missing_features
+    from precompile.pipeline import build
+    from precompile.profile import load_profile
+
+    folder = work / f"{name}-isa"
+    shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    path = folder / f"{name}.yaml"
+    levels = [isa for isa in LEVELS if not missing_features(isa, cpu_features())]
+    raw = yaml.safe_load(path.read_text())
+    raw["cpu"] = {"isa": ["native", *levels]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    start = time.perf_counter()
+    result = build(path, folder / "artifact")
+    build_s = time.perf_counter() - start
+    log(f"{name}: built in {build_s:.0f} s: {', '.join(v.id for v in result.manifest.variants)}")
+    methods: dict[str, Callable[[tuple], torch.Tensor]] = {}
+    for isa in ("native", *levels):
+        compiled = loader.load(result.path, cpu_isa=isa)
+        methods[f"precompile {isa}"] = lambda args, m=compiled: m(*args)
+    profile = load_profile(path).profile
+    rows = time_shapes(profile, SHAPES[name], methods, seconds, log)
+    return {
+        "model": name,
+        "build_seconds": build_s,
+        "variants": [v.id for v in result.manifest.variants],
+        "shapes": rows,
+        "total_ms": {label: sum(r[label] for r in rows) for label in methods},
+        "threads": torch.get_num_threads(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["minilm", "resnet50"], choices=sorted(SHAPES))
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per method per shape")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "precision.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/precision.json (isa.json)")
+    parser.add_argument("--isa", action="store_true", help="time the x86-64 levels' variants against native")
     parser.add_argument(
         "--write-calibration", action="store_true", help="rewrite profiles/bench/minilm_calibration.jsonl and stop"
     )
@@ -240,11 +287,20 @@ def main() -> None:
     if args.write_calibration:
         write_minilm_calibration(PROFILES / "minilm_calibration.jsonl")
         return
+    args.out = args.out or ROOT / "bench" / "results" / ("isa.json" if args.isa else "precision.json")
+    if not args.isa and "quick" in args.models:
+        parser.error("--models quick is the smoke run of --isa (it has no precision profile)")
     results = []
     with tempfile.TemporaryDirectory(prefix="precision-bench-") as tmp:
         for name in args.models:
-            results.append(run_model(name, Path(tmp), args.seconds, lambda s: print(s, flush=True)))
-    for r in results:
+            run = run_isa if args.isa else run_model
+            results.append(run(name, Path(tmp), args.seconds, lambda s: print(s, flush=True)))
+    for r in results if args.isa else ():
+        native = r["total_ms"]["precompile native"]
+        print(f"\n{r['model']}: sum of median ms over {len(r['shapes'])} shapes")
+        for label, total in r["total_ms"].items():
+            print(f"  {label:<28} {total:8.1f} ms  {total / native:5.2f}× native")
+    for r in () if args.isa else results:
         print(
             f"\n{r['model']}: sum of median ms over {len(r['shapes'])} shapes; min cosine vs fp32 eager on "
             f"{r['calibration_samples']} calibration inputs"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from . import cuda as cuda_host
 from .cuda import CudaFacts, cuda_problems, parse_device
 from .errors import IncompatibleArtifactError
+from .isa import NATIVE, isa_problem, present_isas
 from .manifest import Manifest
 
 # torch.backends.cpu.get_cpu_capability() values, weakest first. Code built for one level runs on
@@ -134,6 +135,16 @@ def compatibility_problems(manifest: Manifest, device: str, host: HostFacts | No
 
 
 def _cpu_problem(manifest: Manifest, host: HostFacts) -> str | None:
+    """Why this host runs none of the artifact's CPU code: the native code's vector ISA, or each of
+    the x86-64 levels it was built for (``loader.isa``)."""
+    return isa_problem(manifest.variants, host.cpu_features, native_cpu_problem(manifest, host))
+
+
+def native_cpu_problem(manifest: Manifest, host: HostFacts) -> str | None:
+    """Why this host cannot run the artifact's native CPU code (built for the build host's own ISA):
+    the vector ISA AOTInductor recorded, or for older builds torch's CPU capability."""
+    if NATIVE not in present_isas(manifest.variants):
+        return None
     isa = " ".join(manifest.target.aoti_cpu_isa.upper().split())
     if not isa:
         return _capability_problem(manifest.target.cpu_capability, host.cpu_capability)
@@ -152,8 +163,9 @@ def _cpu_problem(manifest: Manifest, host: HostFacts) -> str | None:
     offers = best_isa(host.cpu_features)
     return (
         f"cpu: the code was compiled for {isa} and needs {', '.join(missing)}, which this CPU lacks (it offers "
-        f"{offers or 'no vector instruction set Inductor uses'}); rebuild for this CPU, e.g. on a build host with "
-        f"ATEN_CPU_CAPABILITY={(offers or 'default').split()[0].lower()}"
+        f"{offers or 'no vector instruction set Inductor uses'}); rebuild with cpu: {{isa: [x86-64-v3, x86-64-v4]}} "
+        f"for portable code, or for this CPU, e.g. on a build host with ATEN_CPU_CAPABILITY="
+        f"{(offers or 'default').split()[0].lower()}"
     )
 
 

@@ -118,6 +118,10 @@ class Variant:
     precision: str = "fp32"
     cpu_features: tuple[str, ...] = ()
     gate: dict[str, Any] | None = None
+    # The x86-64 level the code was compiled for (``loader.isa``: "x86-64-v3"); cpu_features then
+    # holds every feature of that level. None: the build host's own ISA (-march=native), checked
+    # against the target's aoti_cpu_isa as before.
+    isa: str | None = None
     # A CPU variant's reason why only the torch loader can run it (ops without a C shim need torch's
     # proxy executor, ...), found by the build; None: the torch-free loader can, or an older build did
     # not look (that loader looks again when it opens the package).
@@ -141,6 +145,9 @@ class Variant:
             out["precision"] = self.precision
             out["cpu_features"] = list(self.cpu_features)
             out["gate"] = self.gate
+        if self.isa is not None:  # older loaders refuse such a variant rather than serve it blind to its ISA
+            out["isa"] = self.isa
+            out["cpu_features"] = list(self.cpu_features)
         if (
             self.needs_torch is not None
         ):  # only when set: artifacts without such variants stay readable by older loaders
@@ -689,8 +696,9 @@ VARIANT_KEYS = (
     "id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants",
     "needs_torch",
 )  # fmt: skip
-PRECISION_KEYS = ("precision", "cpu_features", "gate")
+PRECISION_KEYS = ("precision", "cpu_features", "gate", "isa")
 CPU_FEATURE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
+ISA_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 
 def _parse_variants(
@@ -745,10 +753,24 @@ def _parse_variant(
     for c in consts:
         if prefix + c not in constants:
             raise r.fail(f"{where}.constants", f"{prefix + c!r} is not declared in constants")
-    precision, features, gate = _parse_precision(r, v, where, device)
+    precision, features, gate, isa = _parse_precision(r, v, where, device)
     needs_torch = None if v.get("needs_torch") is None else r.str(v["needs_torch"], f"{where}.needs_torch")
     return Variant(
-        vid, kind, file, vdims, hint, consts, device, vdtype, prefix, embedded, precision, features, gate, needs_torch
+        vid,
+        kind,
+        file,
+        vdims,
+        hint,
+        consts,
+        device,
+        vdtype,
+        prefix,
+        embedded,
+        precision,
+        features,
+        gate,
+        isa,
+        needs_torch,
     )
 
 
@@ -771,18 +793,23 @@ def _parse_variant_dims(
 
 def _parse_precision(
     r: _Reader, v: dict, where: str, device: str
-) -> tuple[str, tuple[str, ...], dict[str, Any] | None]:
-    """A variant's precision, the CPU features it needs and its gate record (fp32 variants have none)."""
+) -> tuple[str, tuple[str, ...], dict[str, Any] | None, str | None]:
+    """A variant's precision, the CPU features it needs, its gate record (fp32 variants have none) and
+    the ISA level it was compiled for (None: the build host's own)."""
     precision = r.str(v.get("precision", "fp32"), f"{where}.precision", choices=C.PRECISIONS)
+    isa = None if v.get("isa") is None else r.str(v["isa"], f"{where}.isa", ISA_RE)
+    if isa is not None and device != "cpu":
+        raise r.fail(f"{where}.isa", f"an ISA level is for CPU variants, this one is for {device}")
     if precision == "fp32":
-        if v.get("cpu_features") or v.get("gate") is not None:
+        if (v.get("cpu_features") and isa is None) or v.get("gate") is not None:
             raise r.fail(where, "an fp32 variant has no cpu_features or gate")
-        return precision, (), None
-    if device != "cpu":
+    elif device != "cpu":
         raise r.fail(f"{where}.precision", f"{precision} variants are CPU variants, this one is for {device}")
-    features = r.strs(v.get("cpu_features", []), f"{where}.cpu_features", max_len=32, pattern=CPU_FEATURE_RE)
+    if isa is not None and not v.get("cpu_features"):
+        raise r.fail(f"{where}.cpu_features", f"a variant compiled for {isa} lists the CPU features it needs")
+    features = r.strs(v.get("cpu_features", []), f"{where}.cpu_features", max_len=64, pattern=CPU_FEATURE_RE)
     gate = None if v.get("gate") is None else r.mapping(v["gate"], f"{where}.gate")
-    return precision, features, gate
+    return precision, features, gate, isa
 
 
 CHECK_KEYS = ("shapes", "max_abs_error", "references", "measure", "plan", "tuning", "precision")

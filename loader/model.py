@@ -20,7 +20,8 @@ from .cuda import CudaRunner, GraphedRunner, parse_device
 from .dispatch import ServedModel
 from .errors import ArtifactError, IncompatibleArtifactError, first_line
 from .guards import TORCH_DTYPES, InputGuard
-from .host import host_facts
+from .host import host_facts, native_cpu_problem
+from .isa import AUTO, IsaChoice, choose_isa
 from .manifest import Manifest
 from .policy import ArrayOps
 from .precision import REQUESTS, Choice, choose
@@ -56,8 +57,10 @@ class CompiledModel(ServedModel):
         copy_inputs: bool = False,
         digest: str | None = None,
         precision: Choice = Choice(("fp32",)),
+        isa: IsaChoice = IsaChoice(),
     ):
         self.device_type, index = parse_device(device)
+        self.cpu_isa = isa.isa  # the x86-64 level (or "native") the CPU variants served were built for
         self.device = "cpu" if index is None else f"cuda:{index}"
         self._device_weights = device_weights  # constants copied to a GPU, used in place by the runners
         guard = InputGuard(
@@ -115,6 +118,7 @@ def load(
     precision: str = "auto",
     max_bytes: int | None = None,
     warmup: bool = True,
+    cpu_isa: str = AUTO,
 ) -> CompiledModel:
     """Load an artifact built by ``precompile build``, from its folder or a pack (``precompile pack``),
     and return a callable model.
@@ -144,6 +148,10 @@ def load(
       thread: OpenMP keeps one thread team per calling thread, so a thread that calls for the first
       time still starts its own (call ``model.warmup()`` once in each, for a pool of callers). A new
       shape on a dynamic variant is still slower the first time.
+    - ``cpu_isa``: an artifact built for several CPU ISAs (the profile's ``cpu.isa``) serves, by default
+      (``"auto"``), the variants of the best one this CPU runs (``native`` first, then ``x86-64-v4``,
+      ``x86-64-v3``); naming one (``"x86-64-v3"``) serves that one, e.g. for the same numerics on every
+      host of a mixed fleet. The model's ``cpu_isa`` says which (None: the artifact has no ISA levels).
 
     Raises ArtifactError for a missing, unreadable or corrupt artifact, IncompatibleArtifactError when
     it was built for another host, and UntrustedArtifactError when it fails the trust policy; all of
@@ -174,8 +182,10 @@ def load(
         weights = opened.weights()
         weights.check(manifest.constants)
         kind = parse_device(device)[0]
-        choice = choose([v for v in manifest.variants if v.device == kind], precision, host_cpu_features(), str(root))
-        runners, device_weights = _open_runners(root, manifest, weights, device, choice)
+        isa = _choose_isa(manifest, kind, cpu_isa, str(root))
+        mine = [v for v in manifest.variants if v.device == kind and isa.serves(v)]
+        choice = choose(mine, precision, host_cpu_features(), str(root))
+        runners, device_weights = _open_runners(root, manifest, weights, device, choice, isa)
         model = CompiledModel(
             root,
             manifest,
@@ -186,6 +196,7 @@ def load(
             copy_inputs=copy_inputs,
             digest=opened.digest,
             precision=choice,
+            isa=isa,
         )
         if warmup:
             try:
@@ -196,8 +207,21 @@ def load(
     return model
 
 
+def _choose_isa(manifest: Manifest, kind: str, requested: str, source: str) -> IsaChoice:
+    """The CPU ISA whose variants serve a load on a ``kind`` device (``loader.isa.choose_isa``)."""
+    if kind != "cpu":
+        return IsaChoice()
+    host = host_facts()
+    return choose_isa(manifest.variants, requested, host.cpu_features, native_cpu_problem(manifest, host), source)
+
+
 def _open_runners(
-    root: Path, manifest: Manifest, weights: MappedWeights, device: str, precision: Choice = Choice(("fp32",))
+    root: Path,
+    manifest: Manifest,
+    weights: MappedWeights,
+    device: str,
+    precision: Choice = Choice(("fp32",)),
+    isa: IsaChoice = IsaChoice(),
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Open the variants for ``device`` and hand each its constants; return the runners and the
     constants copied to the device (they must live as long as the runners).
@@ -210,7 +234,7 @@ def _open_runners(
     on_device: dict[str, torch.Tensor] = {}
     runners = {}
     for v in manifest.variants:
-        if v.device != kind or not precision.serves(v):
+        if v.device != kind or not precision.serves(v) or not isa.serves(v):
             continue
         try:
             single = graphs and v.kind == "static"

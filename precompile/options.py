@@ -5,6 +5,7 @@
 - ``DEFAULTS``: what every build starts from (a profile's ``compile.inductor`` overrides them).
 - ``LOWER_PRECISION``: what every bf16/int8 variant compiles with, over the profile's first candidate.
 - ``PRESETS``: the named candidate lists ``compile.tune.preset`` can ask for (README: Choosing compile options).
+- ``ISA_OPTIONS``: what a variant built for one x86-64 level (the profile's ``cpu.isa``) compiles with, last.
 
     options = unit_options(candidate, precision="fp32")   # the option set one compile unit gets
 """
@@ -56,10 +57,11 @@ PRESETS: dict[str, list[dict[str, Any]]] = {
 }
 
 
-def unit_options(candidate: dict[str, Any], precision: str = "fp32") -> dict[str, Any]:
+def unit_options(candidate: dict[str, Any], precision: str = "fp32", isa: str | None = None) -> dict[str, Any]:
     """The options one compile unit gets: the defaults, then the candidate (``compile.inductor``
-    merged with one tuning candidate), then what a lower precision needs."""
-    return {**DEFAULTS, **candidate, **(LOWER_PRECISION if precision != "fp32" else {})}
+    merged with one tuning candidate), then what a lower precision needs, then its ISA level's."""
+    lower = LOWER_PRECISION if precision != "fp32" else {}
+    return {**DEFAULTS, **candidate, **lower, **ISA_OPTIONS.get(isa or "", {})}
 
 
 def embeds_constants(options: dict[str, Any], device: str) -> bool:
@@ -70,3 +72,25 @@ def embeds_constants(options: dict[str, Any], device: str) -> bool:
     runner cannot take them back through load_constants. Such a variant carries its own weights.
     """
     return device == "cpu" and bool(options.get("freezing")) and options.get("cpp.weight_prepack", True) is not False
+
+
+# cpu.isa: a portable variant is compiled for exactly one x86-64 level, its vector width (the simdlen
+# that makes Inductor pick that level's vector ISA, which ``precompile.cpu_isa`` pins) and -march
+# alike. Freezing is off: its weight prepacking lays the weights out for the build host's CPU (MKL's
+# packed GEMM and oneDNN's blocked formats are chosen for the ISA of the machine that packs them), and
+# without prepacking it folds weights into views weights.safetensors cannot hold. Unfrozen, oneDNN's
+# and MKL's kernels pick their code at run time, on the serving host.
+ISA_OPTIONS: dict[str, dict[str, Any]] = {
+    "x86-64-v3": {"cpp.simdlen": 256, "cpp.march": "x86-64-v3", "freezing": False},
+    "x86-64-v4": {"cpp.simdlen": 512, "cpp.march": "x86-64-v4", "freezing": False},
+}
+
+
+def same_as_earlier(candidates: list[dict[str, Any]], k: int, isa: str | None) -> int | None:
+    """The earlier candidate that compiles exactly as candidate ``k`` does for ``isa`` (None: none):
+    a level's options override the candidates' (``{}`` and ``{freezing: true}`` are then one), so
+    such a candidate is compiled and timed once."""
+    if isa is None:
+        return None
+    mine = unit_options(candidates[k], isa=isa)
+    return next((j for j in range(k) if unit_options(candidates[j], isa=isa) == mine), None)

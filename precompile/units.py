@@ -31,11 +31,17 @@ class VariantPlan:
     device: str = "cpu"
     dtype: str | None = None  # compute dtype (CUDA variants); None: the model's own
     precision: str = "fp32"  # fp32 | bf16 | int8 (precompile.stages.quantize)
+    isa: str | None = None  # the x86-64 level a CPU variant is compiled for (cpu.isa); None: the build host's
 
     @property
     def base_id(self) -> str:
         """The fp32 variant a lower-precision one was made from (itself, for an fp32 one)."""
         return self.id.removeprefix(f"{self.precision}-") if self.precision != "fp32" else self.id
+
+    @property
+    def plan_id(self) -> str:
+        """The planned variant this one is a copy of, for a precision and an ISA level (``static-0``)."""
+        return self.base_id.removesuffix(isa_suffix(self.isa))
 
     def describe(self) -> str:
         return " ".join(f"{d}={lo}" if lo == hi else f"{d}∈[{lo},{hi}]" for d, (lo, hi) in self.ranges.items())
@@ -162,6 +168,11 @@ def smallest_tables(*found: dict[str, IndexTable]) -> dict[str, IndexTable]:
             if name not in out or table.rows < out[name].rows:
                 out[name] = table
     return out
+
+
+def isa_suffix(isa: str | None) -> str:
+    """What a variant's id ends with when it is compiled for an x86-64 level: ``-v3`` for x86-64-v3."""
+    return f"-{isa.removeprefix('x86-64-')}" if isa else ""
 
 
 def package_file(variant: str, candidate: int | None = None) -> str:

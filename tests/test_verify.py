@@ -62,8 +62,8 @@ def test_an_avx512_build_is_refused_on_an_avx2_host_with_what_it_needs(manifest)
     problems = compatibility_problems(built_for(manifest, "AVX512 AVX512_VNNI"), "cpu", HASWELL)
     assert problems == [
         "cpu: the code was compiled for AVX512 AVX512_VNNI and needs avx512_bw, avx512_dq, avx512_f, avx512_vl, "
-        "avx512_vnni, which this CPU lacks (it offers AVX2); rebuild for this CPU, e.g. on a build host with "
-        "ATEN_CPU_CAPABILITY=avx2"
+        "avx512_vnni, which this CPU lacks (it offers AVX2); rebuild with cpu: {isa: [x86-64-v3, x86-64-v4]} for "
+        "portable code, or for this CPU, e.g. on a build host with ATEN_CPU_CAPABILITY=avx2"
     ]
 
 

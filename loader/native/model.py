@@ -22,6 +22,8 @@ import numpy as np
 
 from ..dispatch import ServedModel
 from ..errors import ArtifactError, IncompatibleArtifactError
+from ..host import native_cpu_problem
+from ..isa import AUTO, IsaChoice, choose_isa
 from ..manifest import Manifest, Variant
 from ..precision import REQUESTS, Choice, choose
 from ..source import open_artifact
@@ -50,7 +52,9 @@ class NativeModel(ServedModel):
         *,
         digest: str | None = None,
         precision: Choice = Choice(("fp32",)),
+        isa: IsaChoice = IsaChoice(),
     ):
+        self.cpu_isa = isa.isa  # as loader.load's model says it
         guard = ArrayGuard(
             manifest.inputs, manifest.dims, unchecked={d for d, p in manifest.policy.items() if p != "error"}
         )
@@ -96,6 +100,7 @@ def load_native(
     precision: str = "auto",
     max_bytes: int | None = None,
     warmup: bool = True,
+    cpu_isa: str = AUTO,
 ) -> NativeModel:
     """Load an artifact's CPU variants without importing torch; call the result with numpy arrays.
 
@@ -137,20 +142,25 @@ def load_native(
         _refuse_inputs(manifest, str(root))
         weights = opened.weights()
         weights.check(manifest.constants)
-        choice, served = _choose(root, manifest, precision, host_facts(torch).cpu_features)
+        host = host_facts(torch)
+        isa = choose_isa(manifest.variants, cpu_isa, host.cpu_features, native_cpu_problem(manifest, host), str(root))
+        choice, served = _choose(root, manifest, precision, host.cpu_features, isa)
         shim = start_runtime(torch, threads)
         runners = _open_runners(shim, root, manifest, served, weights)
-        model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice)
+        model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice, isa=isa)
         if warmup:
             model.warmup()
         opened.loaded()
     return model
 
 
-def _choose(root: Path, manifest: Manifest, precision: str, features: frozenset[str]) -> tuple[Choice, list[Variant]]:
-    """The precisions and CPU variants to serve, as ``loader.load`` chooses them, except that a lower
-    precision whose variants need torch is skipped under ``precision="auto"`` (fp32 serves instead)."""
-    cpu = [v for v in manifest.variants if v.device == "cpu"]
+def _choose(
+    root: Path, manifest: Manifest, precision: str, features: frozenset[str], isa: IsaChoice = IsaChoice()
+) -> tuple[Choice, list[Variant]]:
+    """The precisions and CPU variants (of the chosen ISA) to serve, as ``loader.load`` chooses them,
+    except that a lower precision whose variants need torch is skipped under ``precision="auto"``
+    (fp32 serves instead)."""
+    cpu = [v for v in manifest.variants if v.device == "cpu" and isa.serves(v)]
     # What the build recorded or, for an artifact built before it did, what the package shows.
     why = {v.id: v.needs_torch or read_package(root / v.file).problem() for v in cpu}
     blocked = (

@@ -29,6 +29,8 @@ from torch.export import Dim as ExportDim  # the profile's dims are this module'
 
 from loader.constants import DTYPES, INTEGER_DTYPES
 from loader.guards import TORCH_DTYPES
+from loader.host import cpu_features
+from loader.isa import LEVELS, missing_features
 
 from ..analysis.shapes import capture_torch_logs, input_axes, output_axes, symbol_ranges, table_bounds
 from ..analysis.value_ranges import index_tables
@@ -525,6 +527,18 @@ def _outputs_decl(ep, dims: dict[str, Dim]) -> list[list[str | int]]:
     return out
 
 
+def _cpu_isa_line() -> str:
+    """The ``cpu.isa`` proposal, commented out (the default, native, builds once, for CPUs like this one):
+    the x86-64 levels this host can build and check."""
+    levels = [isa for isa in LEVELS if not missing_features(isa, cpu_features())]
+    if not levels:
+        return "# cpu: {isa: [native]}                         # this host runs no x86-64 level: native code only"
+    return (
+        f"# cpu: {{isa: [{', '.join(levels)}]}}".ljust(48)
+        + "  # portable code for a fleet of other CPUs: one compile per level (default [native]: this CPU's kind only)"
+    )
+
+
 def _flow(value: Any) -> str:
     """A YAML flow value: names and numbers bare, anything else quoted JSON."""
     if isinstance(value, list):
@@ -584,6 +598,7 @@ def _write(name, factory, kwargs, keep, kind, names, call, shape_of, ranges, dim
     labels = [str(k) for k in keep] if keep is not None and len(keep) == len(outs) else [""] * len(outs)
     for row, label in zip(outs, labels):
         lines.append(f"  - {{shape: {_flow(row)}}}".ljust(48) + (f"  # {label}" if label else ""))
+    lines.append(_cpu_isa_line())
     shapes = Counter()
     dynamic = [d for d in dims.values()]
     for c in calls:

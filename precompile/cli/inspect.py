@@ -53,6 +53,7 @@ def describe(manifest) -> str:
             f"  {v.id:<18} {v.kind:<8} {v.device:<5} {v.precision:<5} {ranges}"
             + (f"  ({v.dtype})" if v.dtype else "")
             + ("  [own weights]" if v.embedded_constants else "")
+            + (f"  [{v.isa}]" if v.isa else "")
         )
         if v.precision != "fp32":
             lines.append(f"  {'':<18} {_gate(v)}")

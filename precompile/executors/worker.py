@@ -63,6 +63,7 @@ def compile_unit(
             device=vp.device,
             multi_arch=loaded.profile.cuda.multi_arch,
             shapes=[list(spec.shape) for spec in loaded.profile.inputs.values()],
+            isa=vp.isa,
         )
     except PrecompileError as e:
         if isinstance(e, ProfileError):

@@ -48,7 +48,16 @@ def semantic_problems(profile: Profile) -> list[tuple[str, str]]:
     for i, arch in enumerate(profile.cuda.arch or []):
         if not re.fullmatch(r"\d+\.\d+", arch):
             problems.append((f"cuda.arch[{i}]", f"{arch!r} is not a compute capability like '9.0'"))
+    problems += cpu_isa_problems(profile)
     return problems
+
+
+def cpu_isa_problems(profile: Profile) -> list[tuple[str, str]]:
+    """cpu.isa: at least one, each once (whether the build host runs them is the build's check)."""
+    isas = profile.cpu.isa
+    if not isas:
+        return [("cpu.isa", "name at least one instruction set (native, x86-64-v3, x86-64-v4)")]
+    return [(f"cpu.isa[{i}]", f"{isa} is listed twice") for i, isa in enumerate(isas) if isa in isas[:i]]
 
 
 # Integer ranges are stored in the manifest, whose integers stay within what JSON carries exactly.

@@ -246,6 +246,18 @@ class CudaSpec(_Strict):
     )
 
 
+class CpuSpec(_Strict):
+    isa: list[Literal["native", "x86-64-v3", "x86-64-v4"]] = Field(
+        default_factory=lambda: ["native"],
+        description=(
+            "instruction sets each CPU variant is compiled for, once per entry: native (the build host's own: "
+            "-march=native, its widest vector ISA; runs on CPUs like it), or an x86-64 level, compiled for exactly "
+            "that level (x86-64-v3: AVX2; x86-64-v4: AVX-512 F/BW/CD/DQ/VL); the loader serves the best one a host "
+            "runs. Default [native]: one compile per variant, as before"
+        ),
+    )
+
+
 class Profile(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", description="artifact name")
     model: ModelSpec
@@ -255,6 +267,7 @@ class Profile(_Strict):
         default="cpu", description="device(s) the code is compiled for; a list builds one artifact for several"
     )
     cuda: CudaSpec = Field(default_factory=CudaSpec, description="options for CUDA variants")
+    cpu: CpuSpec = Field(default_factory=CpuSpec, description="options for CPU variants")
     precision: Union[list[Precision], dict[Literal["cpu", "cuda"], list[Precision]]] = Field(
         default_factory=lambda: ["fp32"],
         description=(

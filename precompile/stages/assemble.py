@@ -22,6 +22,7 @@ import torch
 
 from loader import constants as C
 from loader.host import cpu_capability, cpu_features
+from loader.isa import LEVELS
 from loader.manifest import CheckRecord, ConstantSpec, DimRange, Manifest, Target, Variant, parse_manifest
 
 from .. import __version__
@@ -40,8 +41,11 @@ PRECISION_FEATURES: dict[str, tuple[str, ...]] = {
 }
 
 
-def needed_features(precision: str, present: frozenset[str] | None = None) -> tuple[str, ...]:
-    """The features a ``precision`` variant built on this host needs where it is served."""
+def needed_features(precision: str, present: frozenset[str] | None = None, isa: str | None = None) -> tuple[str, ...]:
+    """The features a ``precision`` variant built on this host needs where it is served; for one built
+    for an x86-64 level, that level's (unfrozen, its oneDNN kernels choose their ISA at run time)."""
+    if isa is not None:
+        return LEVELS[isa]
     present = cpu_features() if present is None else present
     return tuple(f for f in PRECISION_FEATURES.get(precision, ()) if f in present)
 
@@ -54,7 +58,8 @@ def assemble_manifest(
     profile = ctx.profile
     measured = gates or {}
     const_specs, prefixes = _store_constants(staging, units)
-    metadata = units[0].package.metadata
+    # The native code's vector ISA, which the loader checks native variants against.
+    metadata = next((u for u in units if u.variant.isa is None), units[0]).package.metadata
     manifest = Manifest(
         name=profile.name,
         torch_version=torch.__version__,
@@ -83,8 +88,9 @@ def assemble_manifest(
                 constant_prefix=prefixes[vp.id],
                 embedded_constants=pkg.embedded,
                 precision=vp.precision,
-                cpu_features=needed_features(vp.precision) if vp.precision != "fp32" else (),
+                cpu_features=needed_features(vp.precision, isa=vp.isa) if vp.precision != "fp32" or vp.isa else (),
                 gate=measured.get(vp.id),
+                isa=vp.isa,
                 needs_torch=needs_torch(pkg.path, vp.device),
             )
             for vp, pkg in ((u.variant, u.package) for u in units)

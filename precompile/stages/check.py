@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import loader
+from loader.isa import AUTO, NATIVE
 from loader.policy import split_problem, split_sizes
 
 from ..compare import CheckReport, compare
@@ -25,27 +26,29 @@ from ..units import VariantPlan
 
 
 class Staged:
-    """The staged artifact, opened through the real loader at most once per device and precision
-    request: with every precision (what ``check_artifact`` runs the variants through) and with fp32 only
-    (what the policies and the static timing run on; the same model when there is no lower precision)."""
+    """The staged artifact, opened through the real loader at most once per device, precision request
+    and CPU ISA: with every precision (what ``check_artifact`` runs the variants through, each ISA's in
+    turn) and with fp32 only (what the policies and the static timing run on, for the best ISA this
+    host runs; the same model when there is no lower precision)."""
 
     def __init__(self, folder: Path, *, target: str, lower_precisions: bool):
         self.folder = folder
         self.target = target  # the artifact's primary device, the one a plain loader.load opens
         self.lower_precisions = lower_precisions
-        self._opened: dict[tuple[str, bool], loader.CompiledModel] = {}
+        self._opened: dict[tuple[str, bool, str], loader.CompiledModel] = {}
 
-    def every(self, device: str) -> loader.CompiledModel:
-        return self._open(device, fp32=False)
+    def every(self, device: str, isa: str | None = None) -> loader.CompiledModel:
+        """Every precision, of the CPU variants built for ``isa`` (None: the build host's own)."""
+        return self._open(device, fp32=False, isa=(isa or NATIVE) if device == "cpu" else AUTO)
 
     def fp32(self, device: str | None = None) -> loader.CompiledModel:
-        return self._open(device or self.target, fp32=self.lower_precisions)
+        return self._open(device or self.target, fp32=self.lower_precisions, isa=AUTO)
 
-    def _open(self, device: str, *, fp32: bool) -> loader.CompiledModel:
-        if (device, fp32) not in self._opened:
+    def _open(self, device: str, *, fp32: bool, isa: str) -> loader.CompiledModel:
+        if (device, fp32, isa) not in self._opened:
             precision = {"precision": "fp32"} if fp32 else {}
-            self._opened[(device, fp32)] = loader.load(self.folder, device=device, **precision)
-        return self._opened[(device, fp32)]
+            self._opened[(device, fp32, isa)] = loader.load(self.folder, device=device, cpu_isa=isa, **precision)
+        return self._opened[(device, fp32, isa)]
 
 
 def check_artifact(
@@ -57,7 +60,7 @@ def check_artifact(
     report = CheckReport()
     seed = profile.check.seed
     for vp in plan:
-        compiled = staged.every(vp.device)
+        compiled = staged.every(vp.device, vp.isa)
         for i, sizes in enumerate(check_shapes(profile, vp.ranges, profile.check.random_shapes, seed)):
             args = make_inputs(profile, sizes, seed=seed + i)
             want = run_eager(model, args)

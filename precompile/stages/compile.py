@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 
 from loader.aoti import open_package
 
+from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
 from ..options import WEIGHTS_OUT, embeds_constants
 from ..passes import convnets
@@ -35,10 +36,13 @@ def compile_package(
     device: str = "cpu",
     multi_arch: bool = False,
     shapes: Sequence[Sequence[Any]] = (),
+    isa: str | None = None,
 ) -> CompiledPackage:
     """Compile ``ep`` to ``out`` (a .pt2 path), take its constants out (as CPU tensors), return both.
 
     For CUDA, ``multi_arch`` emits PTX beside the build GPU's SASS, so newer GPUs can run the kernels.
+    ``isa``: the x86-64 level a CPU variant is compiled for (``options`` hold its ``ISA_OPTIONS``),
+    Inductor's vector ISA pinned to it (``precompile.cpu_isa``); None: the build host's own.
     ``shapes`` (the profile's input shapes, ``[batch, seq]``) name the dims in a lowering failure.
     """
     import torch._inductor  # build side only
@@ -52,7 +56,7 @@ def compile_package(
     try:
         # Gradients off: Inductor's freezing (constant folding, weight prepacking) only applies to
         # graphs compiled without them; serving never needs them.
-        with warnings.catch_warnings(), torch.no_grad():
+        with warnings.catch_warnings(), torch.no_grad(), pinned_vector_isa(isa):
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
     except Exception as e:  # Inductor and the C++ toolchain raise many types

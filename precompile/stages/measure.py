@@ -72,6 +72,9 @@ def measure_statics(
 
 
 def dropped_variants(timings: Sequence[StaticTiming], variants: Sequence[VariantPlan]) -> set[str]:
-    """The static variants that did not pay, and their lower-precision twins."""
-    dropped = {t.variant for t in timings if not t.kept}
-    return dropped | {vp.id for vp in variants if vp.precision != "fp32" and vp.base_id in dropped}
+    """The static variants that did not pay, and their twins: in a lower precision, and for the other
+    CPU ISAs (timed for the best ISA this host runs: its timing on this host says more about the
+    shape than another ISA's would, which a host like this one does not serve)."""
+    ids = {vp.id: vp.plan_id for vp in variants}
+    dropped = {ids.get(t.variant, t.variant) for t in timings if not t.kept}
+    return {vp.id for vp in variants if vp.plan_id in dropped}

@@ -2,8 +2,9 @@
 work they make (a variant under one option candidate).
 
 AOTInductor cannot cross-compile CUDA code (pytorch/pytorch#153697): without a GPU, CUDA targets are
-skipped, or refused if they are all. CUDA variants are named ``cuda-<id>``; a lower-precision copy of
-a CPU variant ``<precision>-<id>``.
+skipped, or refused if they are all. CUDA variants are named ``cuda-<id>``; a CPU variant compiled for
+an x86-64 level of ``cpu.isa`` ``<id>-v3`` (``native`` keeps ``<id>``); a lower-precision copy of a CPU
+variant ``<precision>-<id>``.
 
     devices = usable_targets(profile, progress)
     variants = expand_precisions(expand_targets(plan, devices, profile), profile)
@@ -18,19 +19,32 @@ from typing import Any
 
 import torch
 
+from loader.host import cpu_features
+from loader.isa import NATIVE
 from loader.manifest import CudaInfo
 
+from ..cpu_isa import build_host_problem
 from ..errors import PrecompileError
-from ..options import unit_options
+from ..options import same_as_earlier, unit_options
 from ..profile import Profile
 from ..progress import Progress
-from ..units import CompileTask, Plan, VariantPlan, package_file
+from ..units import CompileTask, Plan, VariantPlan, isa_suffix, package_file
 
 
 def usable_targets(profile: Profile, progress: Progress) -> tuple[str, ...]:
     """The profile's devices this host can build for. AOTInductor cannot cross-compile CUDA code
-    (pytorch/pytorch#153697): without a GPU, CUDA targets are skipped, or refused if they are all."""
+    (pytorch/pytorch#153697): without a GPU, CUDA targets are skipped, or refused if they are all.
+    Every x86-64 level of ``cpu.isa`` must run here: the build runs every variant against eager."""
     devices = profile.targets
+    if "cpu" in devices:
+        here = cpu_features()
+        problems = [
+            f"cpu.isa[{i}]: {problem}"
+            for i, isa in enumerate(profile.cpu.isa)
+            if (problem := build_host_problem(isa, here)) is not None
+        ]
+        if problems:
+            raise PrecompileError("; ".join(problems))
     if "cuda" in devices and not torch.cuda.is_available():
         rest = tuple(d for d in devices if d != "cuda")
         reason = (
@@ -65,12 +79,16 @@ def cuda_info(profile: Profile) -> CudaInfo:
 
 
 def expand_targets(plan: Plan, devices: tuple[str, ...], profile: Profile) -> list[VariantPlan]:
-    """The plan's variants once per device; CUDA ones are named cuda-<id> and compute in cuda.dtype."""
+    """The plan's variants once per device, and on CPU once per ``cpu.isa`` entry (named <id>-v3 for
+    x86-64-v3); CUDA ones are named cuda-<id> and compute in cuda.dtype."""
     out = []
     for device in devices:
         for vp in plan.variants:
             if device == "cpu":
-                out.append(vp)
+                out += [
+                    vp if isa == NATIVE else replace(vp, id=f"{vp.id}{isa_suffix(isa)}", isa=isa)
+                    for isa in profile.cpu.isa
+                ]
             else:
                 dtype = profile.cuda.dtype if profile.cuda.dtype != "float32" else None
                 out.append(replace(vp, id=f"{device}-{vp.id}", device=device, dtype=dtype))
@@ -96,7 +114,11 @@ def compile_tasks(variants: Sequence[VariantPlan], candidates: Sequence[dict[str
         for vp in variants:
             if vp.precision != "fp32":
                 if k == 0:
-                    tasks.append(CompileTask(vp, 0, unit_options(options, vp.precision), package_file(vp.id)))
+                    tasks.append(CompileTask(vp, 0, unit_options(options, vp.precision, vp.isa), package_file(vp.id)))
                 continue
-            tasks.append(CompileTask(vp, k, unit_options(options), package_file(vp.id, k if tuning else None)))
+            if same_as_earlier(list(candidates), k, vp.isa) is not None:
+                continue  # the level's options make it an earlier candidate: tune reports it as that one
+            tasks.append(
+                CompileTask(vp, k, unit_options(options, isa=vp.isa), package_file(vp.id, k if tuning else None))
+            )
     return tasks

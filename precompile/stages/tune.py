@@ -20,6 +20,7 @@ import torch
 
 from ..compare import CheckReport, compare
 from ..errors import CheckError
+from ..options import ISA_OPTIONS, same_as_earlier
 from ..profile import Profile
 from ..runners import Runner, device_sync, open_candidate, run_eager, time_calls
 from ..samples import make_inputs, to_device
@@ -120,9 +121,15 @@ def tune_variants(
     kept, trials = [], []
     for vp in variants:
         shapes = serving_shapes(vp, traffic, tuple(profile.dims))
-        mine = [
-            _trial(vp, k, options, compiled, shapes, open_runner, measure_unit) for k, options in enumerate(candidates)
-        ]
+        # A variant built for an x86-64 level compiled each candidate with its level's options over it.
+        level = ISA_OPTIONS.get(vp.isa or "", {})
+        mine = []
+        for k, options in enumerate(candidates):
+            same = same_as_earlier(list(candidates), k, vp.isa)
+            if same is not None:
+                mine.append(Trial(vp.id, k, {**options, **level}, error=f"compiles as candidate {same} for {vp.isa}"))
+            else:
+                mine.append(_trial(vp, k, {**options, **level}, compiled, shapes, open_runner, measure_unit))
         best = choose(mine)
         mine = [best if t.candidate == best.candidate else t for t in mine]
         winner = compiled.get(vp.id, best.candidate)
