@@ -20,8 +20,8 @@ except ImportError:  # the runtime alone: `import loader` works, the command lin
 
 from loader.errors import LoaderError
 
-from .. import __version__
 from ..errors import PrecompileError
+from ..version import __version__
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

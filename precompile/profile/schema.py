@@ -29,9 +29,13 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    factory: str = Field(
+    factory: Optional[str] = Field(
+        default=None,
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
-        description='"module:callable" returning a torch.nn.Module; the profile\'s folder is on sys.path while importing',
+        description=(
+            '"module:callable" returning a torch.nn.Module; the profile\'s folder is on sys.path while importing '
+            "(required, unless precompile.build is given the exported program, which replaces factory, kwargs and weights)"
+        ),
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the factory")
     weights: Optional[str] = Field(
@@ -248,7 +252,7 @@ class CudaSpec(_Strict):
 
 class Profile(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", description="artifact name")
-    model: ModelSpec
+    model: ModelSpec = Field(default_factory=ModelSpec, description="the model: its factory, weights, outputs kept")
     inputs: dict[str, InputSpec] = Field(description="inputs in forward() order")
     dims: dict[str, DimSpec] = Field(default_factory=dict, description="every dim name used in an input shape")
     target: Union[Literal["cpu", "cuda"], list[Literal["cpu", "cuda"]]] = Field(
@@ -316,7 +320,8 @@ class LoadedProfile(BaseModel):
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
     profile: Profile
-    path: Path
+    path: Path  # a profile given as a dict or a Profile: <folder>/<profile>, named so in errors
+    program: Optional[Path] = None  # a saved torch.export program replacing model.factory (precompile.build)
 
     @property
     def folder(self) -> Path:

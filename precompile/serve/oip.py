@@ -37,7 +37,7 @@ from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 
-from .. import __version__
+from ..version import __version__
 from .codec import MAX_RANK, check_finite, dumps, json_kind, parse_json, to_tensor
 from .errors import Code, Refused
 from .service import Service
