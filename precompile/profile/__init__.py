@@ -46,6 +46,7 @@ from .schema import (
     Precision,
     Profile,
     QuantizationSpec,
+    SampleSpec,
     TuneSpec,
     json_schema,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "DistributionSpec",
     "Dtype",
     "InputSpec",
+    "SampleSpec",
     "LoadedProfile",
     "ModelSpec",
     "OutputDecl",
