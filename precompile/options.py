@@ -7,6 +7,7 @@
 - ``PRESETS``: the named candidate lists ``compile.tune.preset`` can ask for (README: Choosing compile options).
 
     options = unit_options(candidate, precision="fp32")   # the option set one compile unit gets
+    options_label(options)                                 # "freezing=True" (what it adds to DEFAULTS)
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def unit_options(candidate: dict[str, Any], precision: str = "fp32") -> dict[str
     """The options one compile unit gets: the defaults, then the candidate (``compile.inductor``
     merged with one tuning candidate), then what a lower precision needs."""
     return {**DEFAULTS, **candidate, **(LOWER_PRECISION if precision != "fp32" else {})}
+
+
+def options_label(options: dict[str, Any]) -> str:
+    """An option set in one short line, as the build's output and ``inspect`` name a candidate: what
+    it sets beyond ``DEFAULTS``, or "defaults"."""
+    own = {k: v for k, v in options.items() if k not in DEFAULTS or DEFAULTS[k] != v}
+    return ",".join(f"{k}={v}" for k, v in own.items()) or "defaults"
 
 
 def embeds_constants(options: dict[str, Any], device: str) -> bool:

@@ -31,13 +31,13 @@ from .errors import PrecompileError
 from .executors import Executor, compile_units
 from .profile import PROFILE_NAME, Profile, read_profile
 from .progress import Progress
+from .quiet import quiet_third_party_warnings
 from .stages.assemble import assemble_manifest, finish_manifest
 from .stages.batching import check_batching
 from .stages.check import Staged, check_artifact, check_policies, check_policy_outputs
 from .stages.gate import GateResult, gate_precisions
 from .stages.measure import StaticTiming, dropped_variants, measure_statics
 from .stages.plan import make_plan
-from .stages.quantize import quiet_third_party_warnings
 from .stages.references import write_references
 from .stages.resolve import resolve
 from .stages.resolve.program import model_source, save_program

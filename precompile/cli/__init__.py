@@ -21,6 +21,7 @@ except ImportError:  # the runtime alone: `import loader` works, the command lin
 from loader.errors import LoaderError
 
 from ..errors import PrecompileError
+from ..quiet import quiet_third_party_warnings
 from ..version import __version__
 
 
@@ -151,3 +152,4 @@ def main() -> None:
 
     Build an artifact from a profile in CI, load it in serving processes with loader.load().
     """
+    quiet_third_party_warnings()  # before any command imports a model (and transformers, torchao with it)

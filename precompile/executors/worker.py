@@ -24,9 +24,10 @@ from ..analysis.value_ranges import check_declared_ranges, index_tables
 from ..calibration import Sample, calibration_inputs
 from ..errors import PrecompileError, ProfileError
 from ..profile import LoadedProfile
+from ..quiet import quiet_third_party_warnings
 from ..stages.compile import compile_package
 from ..stages.export import export_variant
-from ..stages.quantize import quantize, quiet_third_party_warnings
+from ..stages.quantize import quantize
 from ..stages.resolve import resolve_model
 from ..tracing import export_hints
 from ..traffic import read_distribution

@@ -107,7 +107,7 @@ class Service:
         """The response to ``refused`` in the protocol of ``scope``'s path, counted and logged in one line."""
         path = scope["path"]
         protocol = OIP if path.startswith("/v2") else API
-        status = protocol.status(refused.code)
+        status = protocol.status(refused.code, malformed=refused.malformed)
         if path == "/predict" or (path.startswith("/v2/models/") and path.endswith("/infer")):
             self.count_refused(status, refused.reason)
         if refused.code is not Code.INTERNAL:  # a server fault was logged with its traceback already
