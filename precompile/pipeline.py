@@ -40,7 +40,7 @@ from .stages.measure import StaticTiming, dropped_variants, measure_statics
 from .stages.plan import make_plan
 from .stages.references import write_references
 from .stages.resolve import resolve
-from .stages.resolve.program import model_source, save_program
+from .stages.resolve.program import model_source
 from .stages.targets import compile_tasks, cuda_info, expand_precisions, expand_targets, usable_targets
 from .stages.tune import Trial, describe, tune_variants
 from .traffic import read_distribution
@@ -119,19 +119,13 @@ def prepare(
         loaded = read_profile(profile, folder=folder, program=program is not None)
         traffic = read_distribution(loaded)
         plan = make_plan(loaded, traffic)
-    if program is not None and not isinstance(program, ExportedProgram):
-        loaded = loaded.model_copy(update={"program": Path(program).resolve()})
-    in_memory = program if isinstance(program, ExportedProgram) else None
     profile = loaded.profile
     devices = usable_targets(profile, progress)
     cuda = cuda_info(profile) if "cuda" in devices else None
     variants = expand_precisions(expand_targets(plan, devices, profile), profile)
-    with progress.stage("resolve", model_source(loaded, in_memory)):
-        resolved = resolve(loaded, plan.variants[-1].hint, in_memory)
-        if in_memory is not None:
-            if scratch is None:
-                raise PrecompileError("an ExportedProgram in memory is built by precompile.build")
-            loaded = loaded.model_copy(update={"program": save_program(in_memory, scratch)})
+    with progress.stage("resolve", model_source(loaded, program)):
+        resolved = resolve(loaded, plan.variants[-1].hint, program, scratch=scratch)
+        loaded = resolved.loaded  # with the program's file, for the compile workers
         check_policy_outputs(loaded)
         ctx = BuildContext(
             loaded=loaded,

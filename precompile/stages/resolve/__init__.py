@@ -31,7 +31,7 @@ from ...profile import LoadedProfile
 from ...runners import run_eager
 from ...samples import make_inputs
 from ...tracing import export_model
-from .program import check_program, program_module, read_program
+from .program import check_program, program_module, read_program, save_program
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,11 +39,22 @@ class Resolved:
     model: torch.nn.Module
     output: OutputSpec  # the structure of forward()'s result
     output_dims: OutputDims | None  # the profile's ``outputs`` as dim names per axis, checked
+    loaded: LoadedProfile  # as compile workers read it: with the exported program's file, if any
 
 
-def resolve(loaded: LoadedProfile, sizes: dict[str, int], program: ExportedProgram | None = None) -> Resolved:
-    """The model (``program``'s module when given, else the profile's), run once in eager on sample
-    inputs of ``sizes``."""
+def resolve(
+    loaded: LoadedProfile,
+    sizes: dict[str, int],
+    program: ExportedProgram | str | Path | None = None,
+    *,
+    scratch: Path | None = None,
+) -> Resolved:
+    """The model (``program``'s module when given, else the profile's factory's), run once in eager on
+    sample inputs of ``sizes``. A program given in memory is saved under ``scratch`` for the compile
+    workers, which read it from there."""
+    if program is not None and not isinstance(program, ExportedProgram):
+        loaded = loaded.model_copy(update={"program": Path(program).resolve()})
+        program = None
     model = resolve_model(loaded, program)
     args = make_inputs(loaded.profile, sizes, seed=loaded.profile.check.seed)
     try:
@@ -51,7 +62,12 @@ def resolve(loaded: LoadedProfile, sizes: dict[str, int], program: ExportedProgr
     except ModelError as e:
         explain_eager_failure(loaded, model, sizes, e)  # a range past a table, if that is why
         raise
-    return Resolved(model, output_spec(eager_out), output_dims(loaded, flatten(eager_out), sizes))
+    dims = output_dims(loaded, flatten(eager_out), sizes)
+    if program is not None:
+        if scratch is None:
+            raise ValueError("resolve: an ExportedProgram in memory needs a scratch folder to save it in")
+        loaded = loaded.model_copy(update={"program": save_program(program, scratch)})
+    return Resolved(model, output_spec(eager_out), dims, loaded)
 
 
 def output_spec(value: Any, where: str = "output") -> OutputSpec:

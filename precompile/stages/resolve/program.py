@@ -112,10 +112,10 @@ def save_program(ep: ExportedProgram, folder: Path) -> Path:
     return path
 
 
-def model_source(loaded: LoadedProfile, program: ExportedProgram | None) -> str:
+def model_source(loaded: LoadedProfile, program: ExportedProgram | str | Path | None) -> str:
     """Where the model comes from, for the build's progress line."""
-    if program is not None:
+    if isinstance(program, ExportedProgram):
         return "exported program (in memory)"
-    if loaded.program is not None:
-        return f"exported program {loaded.program}"
+    if program is not None:
+        return f"exported program {program}"
     return str(loaded.profile.model.factory)
