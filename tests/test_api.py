@@ -11,10 +11,12 @@ import textwrap
 import pytest
 import torch
 import yaml
+from click.testing import CliRunner
 from torch.export import Dim
 
 import loader
 import precompile
+from precompile.cli import main
 from precompile.errors import ProfileError
 from precompile.pipeline import build as pipeline_build
 from precompile.profile import Profile
@@ -93,6 +95,24 @@ def test_build_from_a_saved_program_in_compile_workers(tmp_path):
     result = precompile.build(profile, tmp_path / "out", program=tmp_path / "model.pt2", jobs=2)
     assert len(result.manifest.variants) == 2
     assert_matches_eager(result.path, model)
+
+
+def test_the_cli_builds_from_a_saved_program(tmp_path):
+    model = eager_model()
+    torch.export.save(exported(model), tmp_path / "model.pt2")
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(without_model(as_dict())))
+    args = [
+        "build",
+        str(tmp_path / "profile.yaml"),
+        "--program",
+        str(tmp_path / "model.pt2"),
+        "-o",
+        str(tmp_path / "out"),
+    ]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "exported program" in result.output  # the resolve stage's line: where the model came from
+    assert_matches_eager(tmp_path / "out", model)
 
 
 def test_a_factory_returning_a_loaded_program_builds(tmp_path):
