@@ -8,6 +8,7 @@
 - ``ISA_OPTIONS``: what a variant built for one x86-64 level (the profile's ``cpu.isa``) compiles with, last.
 
     options = unit_options(candidate, precision="fp32")   # the option set one compile unit gets
+    options_label(options)                                 # "freezing=True" (what it adds to DEFAULTS)
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def unit_options(candidate: dict[str, Any], precision: str = "fp32", isa: str | 
     merged with one tuning candidate), then what a lower precision needs, then its ISA level's."""
     lower = LOWER_PRECISION if precision != "fp32" else {}
     return {**DEFAULTS, **candidate, **lower, **ISA_OPTIONS.get(isa or "", {})}
+
+
+def options_label(options: dict[str, Any]) -> str:
+    """An option set in one short line, as the build's output and ``inspect`` name a candidate: what
+    it sets beyond ``DEFAULTS``, or "defaults"."""
+    own = {k: v for k, v in options.items() if k not in DEFAULTS or DEFAULTS[k] != v}
+    return ",".join(f"{k}={v}" for k, v in own.items()) or "defaults"
 
 
 def embeds_constants(options: dict[str, Any], device: str) -> bool:

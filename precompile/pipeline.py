@@ -13,9 +13,12 @@ variant matched eager on its own shapes. ``precompile.shard`` runs the same stag
 from __future__ import annotations
 
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
+
+from torch.export import ExportedProgram
 
 from loader import constants as C
 from loader.manifest import Manifest, expires_problem
@@ -26,17 +29,18 @@ from .context import BuildContext
 from .cuda_targets import with_kernel_targets
 from .errors import PrecompileError
 from .executors import Executor, compile_units
-from .profile import load_profile
+from .profile import PROFILE_NAME, Profile, read_profile
 from .progress import Progress
+from .quiet import quiet_third_party_warnings
 from .stages.assemble import assemble_manifest, finish_manifest
 from .stages.batching import check_batching
 from .stages.check import Staged, check_artifact, check_policies, check_policy_outputs
 from .stages.gate import GateResult, gate_precisions
 from .stages.measure import StaticTiming, dropped_variants, measure_statics
 from .stages.plan import make_plan
-from .stages.quantize import quiet_third_party_warnings
 from .stages.references import write_references
 from .stages.resolve import resolve
+from .stages.resolve.program import model_source
 from .stages.targets import compile_tasks, cuda_info, expand_precisions, expand_targets, usable_targets
 from .stages.tune import Trial, describe, tune_variants
 from .traffic import read_distribution
@@ -54,10 +58,16 @@ class BuildResult:
     measured: tuple[StaticTiming, ...] = ()
 
 
+ProfileSource = Union[str, Path, dict[str, Any], Profile]
+ProgramSource = Union[ExportedProgram, str, Path]
+
+
 def build(
-    profile_path: str | Path,
+    profile: ProfileSource,
     output: str | Path | None = None,
     *,
+    program: ProgramSource | None = None,
+    folder: str | Path | None = None,
     progress: Progress | None = None,
     version: int = 1,
     expires: str | None = None,
@@ -66,41 +76,56 @@ def build(
 ) -> BuildResult:
     """Build the artifact a profile describes; return where it is, its plan and what was checked.
 
-    ``output`` defaults to ``artifacts/<name>``. ``version`` (increasing per release of a name) and
-    ``expires`` (ISO 8601 with a time zone) go into the manifest for the loader's rollback and
-    expiry checks. ``jobs`` variants compile at once (default: one per core); ``executor`` runs them
-    elsewhere (precompile.executors: ``executor_named("ray", address=...)``); a share of them on each
-    of several hosts is ``precompile.shard.build_part``. Raises a PrecompileError subclass for anything
-    the user can fix; on any failure nothing is left at ``output`` but what was there before.
+    ``profile`` is a file's path, a dict (as the YAML parses) or a ``Profile``, checked alike; a dict's
+    or a Profile's model imports and weights are relative to ``folder`` (default: the current
+    directory). ``program`` (an ``ExportedProgram``, or a ``.pt2`` file ``torch.export.save`` wrote)
+    replaces the profile's model factory: the profile still gives the dims, ranges, traffic and checks,
+    and the program must be dynamic wherever the profile is. ``output`` defaults to
+    ``artifacts/<name>``. ``version`` (increasing per release of a name) and ``expires`` (ISO 8601 with
+    a time zone) go into the manifest for the loader's rollback and expiry checks. ``jobs`` variants
+    compile at once (default: one per core); ``executor`` runs them elsewhere (precompile.executors:
+    ``executor_named("ray", address=...)``); a share of them on each of several hosts is
+    ``precompile.shard.build_part``. Raises a PrecompileError subclass for anything the user can fix;
+    on any failure nothing is left at ``output`` but what was there before.
     """
     progress = progress or Progress()
     check_expires(expires)
-    ctx = prepare(profile_path, progress)
-    target = Path(output) if output is not None else Path("artifacts") / ctx.profile.name
-    staging = staging_folder(target)
-    try:
-        (staging / C.VARIANTS_DIR).mkdir()
-        tasks = compile_tasks(ctx.variants, ctx.candidates)
-        units = compile_units(ctx, tasks, staging, jobs=jobs, progress=progress, executor=executor)
-        return finish(ctx, units, staging, target, progress=progress, version=version, expires=expires)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="precompile-build-") as scratch:
+        ctx = prepare(profile, progress, program=program, folder=folder, scratch=Path(scratch))
+        target = Path(output) if output is not None else Path("artifacts") / ctx.profile.name
+        staging = staging_folder(target)
+        try:
+            (staging / C.VARIANTS_DIR).mkdir()
+            tasks = compile_tasks(ctx.variants, ctx.candidates)
+            units = compile_units(ctx, tasks, staging, jobs=jobs, progress=progress, executor=executor)
+            return finish(ctx, units, staging, target, progress=progress, version=version, expires=expires)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
-def prepare(profile_path: str | Path, progress: Progress) -> BuildContext:
+def prepare(
+    profile: ProfileSource,
+    progress: Progress,
+    *,
+    program: ProgramSource | None = None,
+    folder: str | Path | None = None,
+    scratch: Path | None = None,
+) -> BuildContext:
     """The stages before compiling: the profile, its traffic and plan, the variants per target and
-    precision, the model run once in eager, and every check of the profile that needs no compiling."""
+    precision, the model run once in eager, and every check of the profile that needs no compiling.
+    An ``ExportedProgram`` given in memory is saved under ``scratch`` for the compile workers."""
     quiet_third_party_warnings()
-    with progress.stage("profile", str(profile_path)):
-        loaded = load_profile(profile_path)
+    with progress.stage("profile", str(profile) if isinstance(profile, (str, Path)) else PROFILE_NAME):
+        loaded = read_profile(profile, folder=folder, program=program is not None)
         traffic = read_distribution(loaded)
         plan = make_plan(loaded, traffic)
     profile = loaded.profile
     devices = usable_targets(profile, progress)
     cuda = cuda_info(profile) if "cuda" in devices else None
     variants = expand_precisions(expand_targets(plan, devices, profile), profile)
-    with progress.stage("resolve", profile.model.factory):
-        resolved = resolve(loaded, plan.variants[-1].hint)
+    with progress.stage("resolve", model_source(loaded, program)):
+        resolved = resolve(loaded, plan.variants[-1].hint, program, scratch=scratch)
+        loaded = resolved.loaded  # with the program's file, for the compile workers
         check_policy_outputs(loaded)
         ctx = BuildContext(
             loaded=loaded,

@@ -12,6 +12,7 @@ class Progress:
 
     @contextmanager
     def stage(self, name: str, detail: str = "") -> Iterator[None]:
+        self.started(name, detail)
         start = time.perf_counter()
         try:
             yield
@@ -19,6 +20,9 @@ class Progress:
             self.failed(name, detail, time.perf_counter() - start)
             raise
         self.done(name, detail, time.perf_counter() - start)
+
+    def started(self, name: str, detail: str) -> None:
+        pass
 
     def done(self, name: str, detail: str, seconds: float) -> None:
         pass
@@ -30,8 +34,17 @@ class Progress:
         pass
 
 
+def escape(text: str) -> str:
+    """``text`` shown as written: rich would read "[candidate 1]" in a detail as markup and drop it."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
 class RichProgress(Progress):
-    """One line per finished stage with its duration, on stderr."""
+    """One line per finished stage with its duration, on stderr. On a terminal a spinner shows what
+    runs; in a pipe or a CI log, where no spinner is drawn, a line says when each stage (and each
+    compile unit) starts, so a long compile is not minutes of silence."""
 
     def __init__(self) -> None:
         from rich.console import Console
@@ -40,15 +53,23 @@ class RichProgress(Progress):
 
     @contextmanager
     def stage(self, name: str, detail: str = "") -> Iterator[None]:
-        with self.console.status(f"{name} {detail}…"):
+        if not self.console.is_terminal:
+            with super().stage(name, detail):
+                yield
+            return
+        with self.console.status(f"{name} {escape(detail)}…"):
             with super().stage(name, detail):
                 yield
 
+    def started(self, name: str, detail: str) -> None:
+        if not self.console.is_terminal:
+            self.console.print(f"… {name:<8} started   [dim]{escape(detail)}[/]")
+
     def done(self, name: str, detail: str, seconds: float) -> None:
-        self.console.print(f"[green]✓[/] {name:<8} {seconds:6.1f} s  [dim]{detail}[/]")
+        self.console.print(f"[green]✓[/] {name:<8} {seconds:6.1f} s  [dim]{escape(detail)}[/]")
 
     def failed(self, name: str, detail: str, seconds: float) -> None:
-        self.console.print(f"[red]✗[/] {name:<8} {seconds:6.1f} s  [dim]{detail}[/]")
+        self.console.print(f"[red]✗[/] {name:<8} {seconds:6.1f} s  [dim]{escape(detail)}[/]")
 
     def note(self, text: str) -> None:
         self.console.print(f"  {text}")

@@ -18,15 +18,16 @@ def make_inputs(profile: Profile, sizes: dict[str, int], seed: int) -> tuple[tor
     for spec in profile.inputs.values():
         shape = [sizes[s] if isinstance(s, str) else s for s in spec.shape]
         dtype = TORCH_DTYPES[spec.dtype]
+        drawn = spec.sample_range()  # sample.range, else the valid range
         if dtype is torch.bool:
             t = torch.rand(shape, generator=gen) < 0.5
-            if spec.range is not None and spec.range[0] == spec.range[1]:
-                t = torch.full(shape, bool(spec.range[0]))
+            if drawn is not None and drawn[0] == drawn[1]:
+                t = torch.full(shape, bool(drawn[0]))
         elif dtype.is_floating_point:
-            lo, hi = spec.range if spec.range is not None else (-1.0, 1.0)
+            lo, hi = drawn if drawn is not None else (-1.0, 1.0)
             t = (torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(dtype)
         else:
-            lo, hi = spec.range if spec.range is not None else (0, 9)
+            lo, hi = drawn if drawn is not None else (0, 9)
             t = torch.randint(int(lo), int(hi) + 1, shape, generator=gen, dtype=torch.int64).to(dtype)
         out.append(t.contiguous())
     return tuple(out)

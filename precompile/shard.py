@@ -32,7 +32,6 @@ from safetensors.torch import load_file, save_file
 from loader import constants as C
 from loader.manifest import CudaInfo
 
-from . import __version__
 from .analysis.value_ranges import IndexTable
 from .context import BuildContext
 from .errors import PrecompileError
@@ -41,6 +40,7 @@ from .pipeline import BuildResult, check_expires, finish, prepare
 from .progress import Progress
 from .stages.targets import compile_tasks
 from .units import CompiledPackage, CompiledUnit, CompiledUnits, CompileTask, FailedUnit, VariantPlan, smallest_tables
+from .version import __version__
 from .write import publish, staging_folder
 
 PART_FILE = "part.json"

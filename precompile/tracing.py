@@ -5,7 +5,9 @@ Failures are translated into the profile's words: which dim, what torch said, wh
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import os
 import re
 import warnings
@@ -60,11 +62,13 @@ def export_model(
     if takes_varargs(model):  # a wrapper's forward(*args): torch.export wants the specs as that one argument
         dynamic_shapes = (dynamic_shapes,)
     args = to_device(make_inputs(profile, hint, seed=profile.check.seed), device, dtype)
+    printed = io.StringIO()  # torch.export prints the partial graph of a failed trace to stderr (export/_trace.py)
     try:
-        with warnings.catch_warnings(), capture_torch_logs() as log:
+        with warnings.catch_warnings(), capture_torch_logs() as log, contextlib.redirect_stderr(printed):
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # torch.export raises many types; every one is reported the same way
+        log.lines.extend(printed.getvalue().splitlines())  # into the log file, after our explanation
         raise ExportError(explain_export_failure(e, ranges, hint, log=log)) from None
     problems = dim_bound_problems(ep, [list(spec.shape) for spec in profile.inputs.values()], ranges)
     if problems:  # export proves nothing about index values: a position table past the range is found here

@@ -18,6 +18,7 @@ import torch
 from loader import constants as C
 
 from .analysis.value_ranges import IndexTable
+from .options import options_label
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,9 @@ class CompileTask:
     file: str  # name inside the staging folder's variants/
 
     def label(self, tuning: bool) -> str:
-        return f"{self.vp.id} {self.vp.describe()}" + (f" [candidate {self.candidate}]" if tuning else "")
+        """The unit in the build's output: its variant, and with tuning which candidate and its options."""
+        own = f" (candidate {self.candidate}: {options_label(self.options)})" if tuning else ""
+        return f"{self.vp.id} {self.vp.describe()}{own}"
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,17 @@ from pathlib import Path
 BUILD_PACKAGES = ("yaml", "rich", "ruamel", "safetensors")
 # What the runtime alone (no extra) leaves out: the build side and the server with its CLI.
 NOT_RUNTIME = (*BUILD_PACKAGES, "pydantic", "click", "fastapi", "uvicorn", "prometheus_client", "grpc")
-# What the CLI and the server may import of precompile: anything else is the build side.
-SERVING_MODULES = ("precompile.cli", "precompile.serve", "precompile.errors", "precompile.__main__")
+# What the CLI and the server may import of precompile: anything else is the build side. (version,
+# quiet and options are a string, a logging call and a table of option names: no dependency at all.)
+SERVING_MODULES = (
+    "precompile.cli",
+    "precompile.serve",
+    "precompile.errors",
+    "precompile.__main__",
+    "precompile.version",
+    "precompile.quiet",
+    "precompile.options",
+)
 
 SITECUSTOMIZE = '''
 import sys

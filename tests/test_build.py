@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from precompile.profile import load_profile
 from precompile.samples import make_inputs
 from precompile.stages.resolve import resolve_model
 
-from .conftest import write_profile
+from .conftest import CLASSIFIER_PROFILE, write_profile
 
 
 def test_manifest_describes_the_artifact(classifier_artifact):
@@ -118,6 +120,19 @@ def test_export_failure_names_dim_and_leaves_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
 
 
+def test_an_attention_mask_sampled_as_ones_builds_and_serves_padded_calls(tmp_path):
+    """``range`` is what every call may hold, ``sample.range`` what the build's samples hold: a mask
+    sampled as ones still serves a padded call (zeros), and refuses a value past its valid range."""
+    masked = "mask: {shape: [batch, seq], dtype: int64, range: [0, 1], sample: {range: [1, 1]}}"
+    profile = write_profile(tmp_path, CLASSIFIER_PROFILE.replace("mask: {shape: [batch, seq], dtype: bool}", masked))
+    model = loader.load(build(profile, tmp_path / "out").path)
+    ids, mask = torch.randint(0, 50, (2, 9)), torch.ones(2, 9, dtype=torch.int64)
+    mask[1, 5:] = 0  # the second call is padded
+    torch.testing.assert_close(model(ids, mask), resolve_model(load_profile(profile))(ids, mask))
+    with pytest.raises(loader.GuardError, match="outside the valid range"):
+        model(ids, mask * 2)
+
+
 def test_data_dependent_control_flow_is_explained(tmp_path):
     profile = write_profile(
         tmp_path,
@@ -133,6 +148,10 @@ def test_data_dependent_control_flow_is_explained(tmp_path):
     assert "torch.export failed" in result.output
     assert "data-dependent control flow" in result.output
     assert "Traceback" not in result.output
+    # The advice comes first and alone: torch's partial graph goes to the log file the message names.
+    assert "def forward" not in result.output
+    log = re.search(r"all of it in (\S+?)\):", result.output).group(1)
+    assert "def forward" in Path(log).read_text()
 
 
 def test_refuses_to_replace_a_folder_that_is_not_an_artifact(tmp_path):

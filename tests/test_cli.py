@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from click.testing import CliRunner
 
 from precompile import __version__
 from precompile.cli import main
+
+from .conftest import STRUCTURED_PROFILE, write_profile
 
 COMMANDS = main.list_commands(None)
 
@@ -73,3 +79,51 @@ def test_inspect_reads_a_pack_without_unpacking_it(classifier_pack, classifier_a
     assert (
         json.loads(result.output)["files"] == json.loads((classifier_artifact / "manifest.json").read_text())["files"]
     )
+
+
+def test_build_in_a_pipe_says_when_each_stage_and_unit_starts(tmp_path):
+    """No spinner is drawn in a pipe or a CI log: a line says what started, so a long compile is not
+    silence until the variant finishes."""
+    profile = write_profile(tmp_path, STRUCTURED_PROFILE)
+    result = CliRunner().invoke(main, ["build", str(profile), "-o", str(tmp_path / "out")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    started = next(i for i, line in enumerate(lines) if line.startswith("… variant  started   dynamic batch∈[1,32]"))
+    finished = next(i for i, line in enumerate(lines) if line.startswith("✓ variant"))
+    assert started < finished
+    assert lines[0].startswith("… profile  started")
+
+
+def test_a_command_importing_transformers_prints_none_of_torchaos_noise(tmp_path):
+    """A transformers model class imports torchao, which logs every CUDA extension it cannot load, and
+    torch's pytree warns about torchao's enums: every command silences both (here doctor)."""
+    (tmp_path / "with_hf.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from transformers import GPT2Model  # noqa: F401 (the modeling side: torchao comes with it)
+
+            def linear():
+                return torch.nn.Linear(4, 2)
+            """
+        )
+    )
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        textwrap.dedent(
+            """
+            name: with-hf
+            model: {factory: "with_hf:linear"}
+            inputs: {x: {shape: [batch, 4], dtype: float32}}
+            dims: {batch: {min: 1, max: 4}}
+            """
+        )
+    )
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    done = subprocess.run(
+        [sys.executable, "-m", "precompile", "doctor", str(profile)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "no problem found" in done.stdout
+    assert "_C_mxfp8" not in done.stderr and "Failed to load" not in done.stderr
+    assert "_pytree" not in done.stderr

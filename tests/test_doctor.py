@@ -53,6 +53,27 @@ def test_doctor_traces_a_range_past_the_position_table(tmp_path):
     assert seq[0].fix.startswith("set dims.seq.max to 64")
 
 
+def test_doctor_gives_builds_diagnosis_of_a_value_range_past_the_table(tmp_path):
+    """Samples drawn from ``range: [0, 9]`` index past a 5-row table: doctor says what build says
+    (the range, the table, narrow it), not that some dim's size fails."""
+    path = profile(
+        tmp_path,
+        """
+        name: past-values
+        model: {factory: "hf_tiny:small_table"}
+        inputs: {ids: {shape: [batch, seq], dtype: int64, range: [0, 9]}}
+        dims: {batch: {min: 1, max: 4}, seq: {min: 2, max: 8}}
+    """,
+    )
+    report = diagnose(path)
+    with pytest.raises(ProfileError) as built:
+        build(path, tmp_path / "out")
+    assert [(f.place, f.message) for f in report.errors] == built.value.problems
+    assert built.value.problems == [
+        ("inputs.ids.range", "[0, 9] goes past the embedding table of 5 rows (valid 0..4): narrow it")
+    ]
+
+
 def test_doctor_names_the_sizes_a_model_fixes_with_the_line(tmp_path):
     report = diagnose(profile(tmp_path, VIT_RANGE))
     by_dim = {f.place: f for f in report.errors}

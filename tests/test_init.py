@@ -75,6 +75,8 @@ def test_dims_ranges_and_values_come_from_the_model(bert_init):
     )  # the smallest example; the position table's rows
     assert (profile.dims["batch"].min, profile.dims["batch"].max) == (1, 4)
     assert profile.inputs["input_ids"].range == (0, 99) and profile.inputs["token_type_ids"].range == (0, 1)
+    mask = profile.inputs["attention_mask"]
+    assert mask.range == (0, 1) and mask.sample_range() == (1, 1)  # calls may be padded, samples are not
     assert profile.model.outputs == ["last_hidden_state", "pooler_output"]
     assert [o.shape for o in profile.outputs] == [["batch", "seq", 32], ["batch", 32]]
     text = bert_init.read_text()

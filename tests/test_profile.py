@@ -7,12 +7,14 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
 from precompile.cli import main
 from precompile.errors import ProfileError
 from precompile.profile import json_schema, load_profile
+from precompile.samples import make_inputs
 
 from .conftest import write_profile
 
@@ -54,6 +56,31 @@ def test_min_greater_than_max(tmp_path):
 def test_dim_used_by_no_input(tmp_path):
     text = GOOD + "  extra: {min: 1, max: 4}\n"
     assert "dims.extra: declared but used in no input shape" in problems(tmp_path, text)
+
+
+MASKED = GOOD.replace(
+    "mask: {shape: [batch, seq], dtype: bool}",
+    "mask: {shape: [batch, seq], dtype: int64, range: [0, 1], sample: {range: [1, 1]}}",
+)
+
+
+def test_samples_have_their_own_range_inside_the_valid_one(tmp_path):
+    loaded = load_profile(write_profile(tmp_path, MASKED))
+    spec = loaded.profile.inputs["mask"]
+    assert spec.range == (0, 1) and spec.sample_range() == (1, 1)
+    _, mask = make_inputs(loaded.profile, {"batch": 3, "seq": 7}, seed=0)
+    assert mask.dtype == torch.int64 and bool((mask == 1).all())
+
+
+def test_a_sample_range_outside_the_valid_range_is_refused(tmp_path):
+    text = MASKED.replace("sample: {range: [1, 1]}", "sample: {range: [1, 2]}")
+    assert "inputs.mask.sample.range: [1, 2] goes outside inputs.mask.range [0, 1], the values every call may hold" in (
+        problems(tmp_path, text)
+    )
+    text = MASKED.replace("sample: {range: [1, 1]}", "sample: {range: [1, 0]}")
+    assert "inputs.mask.sample.range: low 1 > high 0" in problems(tmp_path, text)
+    text = MASKED.replace("sample: {range: [1, 1]}", "sample: {range: [0.5, 1]}")
+    assert "inputs.mask.sample.range: [0.5, 1]: an int64 input's samples are whole numbers" in problems(tmp_path, text)
 
 
 def test_unknown_dtype(tmp_path):

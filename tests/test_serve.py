@@ -210,16 +210,35 @@ def test_bad_inputs_are_422_with_the_guard_text(client, inputs, detail, reason):
 @pytest.mark.parametrize(
     "raw, detail",
     [
-        (b"{not json", "the body is not valid JSON"),
         (b'{"ids": [[1]]}', 'expected a JSON object {"inputs":'),
         (b'{"inputs": [[1]]}', '"inputs" must be an object'),
     ],
-    ids=["not-json", "no-inputs-key", "inputs-not-object"],
+    ids=["no-inputs-key", "inputs-not-object"],
 )
-def test_malformed_bodies_are_422(client, raw, detail):
+def test_a_json_object_that_is_not_a_request_is_422(client, raw, detail):
     response = client.post("/predict", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 422
     assert detail in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "raw, said",
+    [(b"{not json", "the body is not valid JSON"), (b"[1, 2]", "got list"), (b'"inputs"', "got a string")],
+    ids=["not-json", "a-list", "a-string"],
+)
+def test_a_body_that_is_not_a_json_object_is_400_on_every_route(live, classifier_artifact, raw, said):
+    """Not JSON, or not an object: INVALID_ARGUMENT as 400 everywhere, as /v2 always answered it."""
+    config = ServeConfig(str(classifier_artifact), allow_reload=True)
+    headers = {"content-type": "application/json"}
+    with AppClient(create_app(config, live=live)) as c:
+        for path, key in [
+            ("/predict", "detail"),
+            ("/v1/reload", "detail"),
+            ("/v2/models/tiny-classifier/infer", "error"),
+        ]:
+            response = c.post(path, content=raw, headers=headers)
+            assert response.status_code == 400, (path, response.text)
+            assert said in response.json()[key], path
 
 
 def test_a_body_over_the_limit_is_413(client):
@@ -365,7 +384,8 @@ def test_metrics_count_requests_variants_rejections_and_shapes(live, classifier_
         m = metrics(c)
     assert m[("precompile_predict_seconds_count", (("precision", "fp32"), ("variant", "dynamic")))] == 4
     assert m[("precompile_requests_total", (("code", "200"),))] == 4
-    assert m[("precompile_requests_total", (("code", "422"),))] == 2
+    assert m[("precompile_requests_total", (("code", "422"),))] == 1
+    assert m[("precompile_requests_total", (("code", "400"),))] == 1  # not JSON
     assert m[("precompile_rejections_total", (("reason", "out_of_range"),))] == 1
     assert m[("precompile_rejections_total", (("reason", "invalid_body"),))] == 1
     assert m[("precompile_shape_calls_total", (("shape", "batch=2,seq=9-16"),))] == 3

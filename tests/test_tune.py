@@ -3,18 +3,21 @@ the fastest that matches eager kept; frozen (oneDNN-prepacked) variants carry th
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import replace
 
 import pytest
 import torch
 from click.testing import CliRunner
+from rich.console import Console
 
 import loader
 from precompile.cli import main
 from precompile.errors import CheckError, ProfileError
 from precompile.pipeline import build
 from precompile.profile import load_profile
+from precompile.progress import Progress, RichProgress
 from precompile.stages.resolve import resolve_model
 from precompile.stages.tune import Trial, choose
 from precompile.traffic import serving_shapes
@@ -33,10 +36,48 @@ compile:
 )
 
 
+class Recorded(Progress):
+    """What the build reports, as (kind, name, detail) rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str]] = []
+
+    def done(self, name: str, detail: str, seconds: float) -> None:
+        self.rows.append(("done", name, detail))
+
+    def note(self, text: str) -> None:
+        self.rows.append(("note", "", text))
+
+
 @pytest.fixture(scope="module")
-def tuned(tmp_path_factory):
+def tuned_build(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tuned")
-    return build(write_profile(folder, TUNED), folder / "artifact", jobs=2)
+    progress = Recorded()
+    return build(write_profile(folder, TUNED), folder / "artifact", jobs=2, progress=progress), progress
+
+
+@pytest.fixture(scope="module")
+def tuned(tuned_build):
+    return tuned_build[0]
+
+
+def test_each_candidate_has_its_own_label(tuned_build):
+    _, progress = tuned_build
+    units = [detail for kind, name, detail in progress.rows if kind == "done" and name == "variant"]
+    assert sorted(units) == [
+        "dynamic batch∈[1,8] seq∈[2,48] (candidate 0: defaults)",
+        "dynamic batch∈[1,8] seq∈[2,48] (candidate 1: freezing=True)",
+    ]
+    (timed,) = [text for kind, _, text in progress.rows if kind == "note" and text.startswith("dynamic: ")]
+    assert "0:defaults: " in timed and "1:freezing=True: " in timed
+
+
+def test_the_build_output_shows_details_as_written():
+    """rich reads "[candidate 1]" as markup: the CLI's lines escape what they show."""
+    progress = RichProgress()
+    progress.console = Console(file=io.StringIO(), highlight=False, width=200)
+    progress.done("variant", "dynamic batch∈[1,8] [candidate 1]", 1.0)
+    assert "dynamic batch∈[1,8] [candidate 1]" in progress.console.file.getvalue()
 
 
 def test_every_candidate_is_timed_and_the_fastest_that_matches_is_kept(tuned):

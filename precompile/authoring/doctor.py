@@ -34,13 +34,13 @@ from ..analysis.shapes import (
     symbol_ranges,
     user_line,
 )
-from ..errors import ModelError
+from ..errors import ModelError, ProfileError
 from ..profile import LoadedProfile, load_profile
 from ..progress import Progress
 from ..runners import run_eager, sample_sizes
 from ..samples import make_inputs
 from ..stages.plan import make_plan
-from ..stages.resolve import resolve_model
+from ..stages.resolve import explain_eager_failure, resolve_model
 from ..tracing import explain_export_failure, export_hints, takes_varargs
 
 
@@ -108,6 +108,9 @@ def diagnose(profile_path: str | Path, *, max_seconds: float = 300.0, progress: 
             for what, sizes in shapes[1:]:
                 if _eager_at(loaded, model, sizes, what, report):
                     worked.append(sizes)
+        elif _build_diagnosis(loaded, model, sample, report):  # a declared range past a table: build's words
+            report.checked.append("eager at 1 shape(s)")
+            return report
         else:  # every other size is then suspect too: look for one forward() takes, to trace there
             shapes = shapes[:1]
             found = _search_sample(loaded, model, sample)
@@ -158,6 +161,28 @@ def _eager_shapes(loaded: LoadedProfile, hint: dict[str, int]) -> list[tuple[str
             if sizes not in [s for _, s in out]:
                 out.append((f"{d} at its {label}", sizes))
     return out
+
+
+def _build_diagnosis(
+    loaded: LoadedProfile, model: torch.nn.Module, sample: dict[str, int], report: DoctorReport
+) -> bool:
+    """Eager failed at the build's sample size: what ``build`` says of that failure when it can say more
+    (a declared value range, or a dim, past a table the model indexes: ``explain_eager_failure``), in
+    place of the sample's finding; False when that is not the cause. Every sample is drawn from those
+    ranges, so nothing after this would trace either."""
+    profile = loaded.profile
+    try:
+        run_eager(model, make_inputs(profile, sample, seed=profile.check.seed), profile=profile, sizes=sample)
+        return False
+    except ModelError as e:
+        try:
+            explain_eager_failure(loaded, model, sample, e)
+        except ProfileError as explained:
+            report.findings = [f for f in report.findings if f.place != "dims"]
+            for place, message in explained.problems:
+                report.add(Finding("error", place, message))
+            return True
+    return False
 
 
 def _search_sample(loaded: LoadedProfile, model: torch.nn.Module, sample: dict[str, int]) -> dict[str, int] | None:

@@ -572,13 +572,13 @@ def _write(name, factory, kwargs, keep, kind, names, call, shape_of, ranges, dim
         spec = f"{{shape: {_flow(shape_of[n])}, dtype: {call.dtypes[n]}"
         comment = ""
         r = ranges.get(n)
-        if r is not None:
+        if r is not None and "mask" in n and r == (0, 1):
+            # calls are padded (zeros), samples are real rows: the build's checks then compare real outputs
+            spec += ", range: [0, 1], sample: {range: [1, 1]}"
+            comment = "  # values: a mask (0 or 1); the build's samples: ones"
+        elif r is not None:
             spec += f", range: [{r[0]}, {r[1]}]"
-            comment = (
-                "  # values: a mask (0 or 1)"
-                if "mask" in n and r == (0, 1)
-                else f"  # values: the rows of the table it indexes ({r[1] + 1})"
-            )
+            comment = f"  # values: the rows of the table it indexes ({r[1] + 1})"
         elif call.dtypes[n] in INTEGER_DTYPES:
             comment = "  # indexes no table the model has: declare range: [low, high] to guard its values"
         lines.append(f"  {n}: {spec}}}".ljust(48) + comment)

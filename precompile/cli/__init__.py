@@ -20,8 +20,9 @@ except ImportError:  # the runtime alone: `import loader` works, the command lin
 
 from loader.errors import LoaderError
 
-from .. import __version__
 from ..errors import PrecompileError
+from ..quiet import quiet_third_party_warnings
+from ..version import __version__
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,3 +181,4 @@ def main() -> None:
 
     Build an artifact from a profile in CI, load it in serving processes with loader.load().
     """
+    quiet_third_party_warnings()  # before any command imports a model (and transformers, torchao with it)

@@ -40,6 +40,11 @@ from . import artifact_options, main, user_errors
     ),
 )
 @click.option(
+    "--program",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A .pt2 file torch.export.save wrote: the exported program replaces the profile's model factory.",
+)
+@click.option(
     "--ray-cpus",
     type=click.IntRange(min=1),
     default=1,
@@ -56,6 +61,7 @@ def build(
     executor: str,
     address: str | None,
     shard: str | None,
+    program: Path | None,
     ray_cpus: int,
 ) -> None:
     """Build the artifact PROFILE describes: export, compile, check against eager, write.
@@ -65,6 +71,9 @@ def build(
 
     With --shard K/N, only every N-th unit from the K-th is compiled, into a part: run the N shards on
     N machines (a CI matrix), then `precompile assemble` the parts into the artifact.
+
+    With --program, a saved torch.export program is the model (the profile may leave model.factory
+    out); it must be dynamic wherever the profile is. The same call as precompile.build(profile, ...).
     """
     from ..executors import executor_named
     from ..pipeline import build as run_build
@@ -72,6 +81,8 @@ def build(
     from ..shard import build_part, parse_shard
 
     share = parse_shard(shard) if shard is not None else None
+    if share is not None and program is not None:
+        raise click.UsageError("--program builds in one place: shards read the profile's model factory")
     if share is not None and (version != 1 or expires is not None):
         raise click.UsageError(
             "--artifact-version and --expires belong to the artifact: give them to `precompile assemble`"
@@ -82,6 +93,13 @@ def build(
         click.echo(str(part.path))
         return
     result = run_build(
-        profile, output, progress=RichProgress(), version=version, expires=expires, jobs=jobs, executor=runner
+        profile,
+        output,
+        program=program,
+        progress=RichProgress(),
+        version=version,
+        expires=expires,
+        jobs=jobs,
+        executor=runner,
     )
     click.echo(str(result.path))

@@ -8,6 +8,7 @@ import click
 from loader.cuda import derived_kernels
 from loader.outputs import output_names
 
+from ..options import options_label
 from . import main, user_errors
 
 
@@ -75,7 +76,7 @@ def describe(manifest) -> str:
     if tuning:
         lines.append("tuning    each variant's candidates, ms on its traffic (* kept)")
         for t in tuning:
-            options = ",".join(f"{k}={v}" for k, v in t.get("options", {}).items()) or "defaults"
+            options = options_label(t.get("options", {}))
             result = f"{t['ms']:.3f} ms" if "ms" in t else f"failed: {str(t.get('error', ''))[:80]}"
             lines.append(f"  {'*' if t.get('kept') else ' '} {t.get('variant', '?'):<16} {options:<40} {result}")
     gates = manifest.check.precision

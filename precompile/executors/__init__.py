@@ -74,6 +74,7 @@ def compile_units(
                 reason = f"not compiled: compile.tune.max_seconds ({max_seconds:g} s) reached"
                 failed.append(FailedUnit(task.vp.id, task.candidate, reason))
                 continue
+            progress.started("variant", task.label(tuning))
             yield task
 
     job = CompileJob(ctx, staging, jobs, len(tasks), tuning, progress)

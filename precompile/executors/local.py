@@ -67,7 +67,7 @@ class LocalExecutor:
                     if task is None:
                         break
                     pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-                    running[pool.submit(compile_in_worker, job.context.loaded.path, task, job.staging, threads)] = (
+                    running[pool.submit(compile_in_worker, job.context.loaded, task, job.staging, threads)] = (
                         task,
                         pool,
                     )

@@ -33,6 +33,7 @@ from loader import constants as C
 from loader.errors import first_line
 
 from ..errors import CompileError, PrecompileError
+from ..profile import load_profile
 from ..units import CompileTask, UnitResult
 from .base import CompileJob, Outcome
 from .worker import compile_in_worker
@@ -72,6 +73,10 @@ class RayExecutor:
             # that are not ours (ours return as values: see compile_unit).
             remote = ray.remote(max_calls=1, max_retries=self.retries, retry_exceptions=True)(compile_unit)
             profile = str(Path(job.context.loaded.path).resolve())
+            if job.context.loaded.program is not None or not Path(profile).is_file():
+                raise PrecompileError(
+                    "--executor ray: the cluster reads the profile's file and imports its model factory"
+                )
             feasible: set[tuple] = set()
             while True:
                 while len(running) < slots:
@@ -190,7 +195,7 @@ def compile_unit(profile: str, task: CompileTask, threads: int, torch_version: s
             )
         with tempfile.TemporaryDirectory(prefix="precompile-unit-") as scratch:
             (Path(scratch) / C.VARIANTS_DIR).mkdir()
-            result = compile_in_worker(Path(profile), task, Path(scratch), threads)
+            result = compile_in_worker(load_profile(profile), task, Path(scratch), threads)
             pkg = result.unit.package
             files = {pkg.path.name: pkg.path.read_bytes()}
     except PrecompileError as e:

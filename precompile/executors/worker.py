@@ -3,7 +3,7 @@
 declared range past one (the profile's error, before compiling), then compile it (``stages.compile``).
 
 The executors call ``compile_unit`` in this process, or ``compile_in_worker`` in a fresh one (which
-reads the profile and resolves the model itself).
+resolves the model itself).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from loader.threads import cpu_allowance
 from ..analysis.value_ranges import check_declared_ranges, index_tables
 from ..calibration import Sample, calibration_inputs
 from ..errors import PrecompileError, ProfileError
-from ..profile import LoadedProfile, load_profile
+from ..profile import LoadedProfile
+from ..quiet import quiet_third_party_warnings
 from ..stages.compile import compile_package
 from ..stages.export import export_variant
-from ..stages.quantize import quantize, quiet_third_party_warnings
+from ..stages.quantize import quantize
 from ..stages.resolve import resolve_model
 from ..tracing import export_hints
 from ..traffic import read_distribution
@@ -73,15 +74,15 @@ def compile_unit(
     return UnitResult(unit, tables)
 
 
-def compile_in_worker(profile_path: Path, task: CompileTask, staging: Path, compile_threads: int) -> UnitResult:
-    """``compile_unit`` in a fresh process: reads the profile and resolves the model there."""
+def compile_in_worker(loaded: LoadedProfile, task: CompileTask, staging: Path, compile_threads: int) -> UnitResult:
+    """``compile_unit`` in a fresh process: resolves the model there (from the profile's factory, or
+    the exported program's file)."""
     import torch._inductor.config as inductor_config  # about 1 s: only where a worker compiles
 
     faulthandler.enable()  # a worker killed by SIGSEGV/SIGABRT prints where it was
     quiet_third_party_warnings()
     # jobs workers each with a pool of one process per core would be cores² processes.
     inductor_config.compile_threads = compile_threads
-    loaded = load_profile(profile_path)
     return compile_unit(loaded, resolve_model(loaded), task, staging)
 
 

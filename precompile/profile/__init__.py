@@ -12,6 +12,7 @@ refused), then checked as a whole (``checks``); every problem is reported as ``p
       seq:   {min: 8, max: 512}
 
     loaded = load_profile("profiles/text_classifier.yaml")    # LoadedProfile; ProfileError listing problems
+    loaded = read_profile({"name": ..., "inputs": ...})         # a dict or a Profile, checked the same way
 """
 
 from .checks import (
@@ -23,7 +24,7 @@ from .checks import (
     semantic_problems,
     tune_problems,
 )
-from .load import load_profile, validation_problems
+from .load import PROFILE_NAME, load_profile, read_profile, validation_problems
 from .schema import (
     DEFAULT_TOLERANCE,
     AccuracyRule,
@@ -45,11 +46,13 @@ from .schema import (
     Precision,
     Profile,
     QuantizationSpec,
+    SampleSpec,
     TuneSpec,
     json_schema,
 )
 
 __all__ = [
+    "PROFILE_NAME",
     "DEFAULT_TOLERANCE",
     "AccuracyRule",
     "AccuracySpec",
@@ -62,6 +65,7 @@ __all__ = [
     "DistributionSpec",
     "Dtype",
     "InputSpec",
+    "SampleSpec",
     "LoadedProfile",
     "ModelSpec",
     "OutputDecl",
@@ -76,6 +80,7 @@ __all__ = [
     "inductor_option_problems",
     "json_schema",
     "load_profile",
+    "read_profile",
     "pad_value_problems",
     "precision_problems",
     "semantic_problems",

@@ -29,7 +29,7 @@ def semantic_problems(profile: Profile) -> list[tuple[str, str]]:
                 used.add(s)
             elif s < 0:
                 problems.append((f"inputs.{name}.shape[{axis}]", f"static size {s} is negative"))
-        problems += _value_range_problems(name, spec)
+        problems += _value_range_problems(name, spec) + _sample_range_problems(name, spec)
     for name, dim in profile.dims.items():
         if not name.isidentifier():
             problems.append((f"dims.{name}", "dim names must be identifiers"))
@@ -80,6 +80,28 @@ def _value_range_problems(name: str, spec: InputSpec) -> list[tuple[str, str]]:
     lowest = 0 if spec.dtype == "uint8" else -limit if spec.dtype == "int64" else -limit - 1
     if low < lowest or high > limit:
         return [(place, f"[{low:g}, {high:g}] goes past what {spec.dtype} values can be here ([{lowest}, {limit}])")]
+    return []
+
+
+def _sample_range_problems(name: str, spec: InputSpec) -> list[tuple[str, str]]:
+    """Samples are drawn from ``sample.range``: an ordered range, inside the valid one (a sample the
+    loader would refuse checks nothing), whole numbers for an integer input."""
+    if spec.sample is None:
+        return []
+    low, high = spec.sample.range
+    place = f"inputs.{name}.sample.range"
+    if low > high:
+        return [(place, f"low {low:g} > high {high:g}")]
+    if spec.dtype in _INT_LIMITS and (low != int(low) or high != int(high)):
+        return [(place, f"[{low:g}, {high:g}]: an {spec.dtype} input's samples are whole numbers")]
+    if spec.range is not None and not spec.range[0] <= low <= high <= spec.range[1]:
+        return [
+            (
+                place,
+                f"[{low:g}, {high:g}] goes outside inputs.{name}.range [{spec.range[0]:g}, {spec.range[1]:g}], "
+                "the values every call may hold",
+            )
+        ]
     return []
 
 

@@ -4,6 +4,7 @@ problem found is reported at once, as ``place: message`` lines of one ProfileErr
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -13,8 +14,9 @@ from .checks import inductor_option_problems, precision_problems, semantic_probl
 from .schema import LoadedProfile, Profile
 
 
-def load_profile(path: str | Path) -> LoadedProfile:
-    """Read, parse and check a profile file; raise ProfileError listing every problem found."""
+def load_profile(path: str | Path, *, program: bool = False) -> LoadedProfile:
+    """Read, parse and check a profile file; raise ProfileError listing every problem found.
+    ``program``: the build is given an exported program, which replaces ``model.factory``."""
     path = Path(path)
     source = str(path)
     try:
@@ -29,6 +31,35 @@ def load_profile(path: str | Path) -> LoadedProfile:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ProfileError(source, [(where, f"not valid YAML: {getattr(e, 'problem', None) or e}")]) from None
+    return checked_profile(raw, path.resolve(), source=source, program=program)
+
+
+def read_profile(
+    profile: str | Path | dict[str, Any] | Profile | LoadedProfile,
+    *,
+    folder: str | Path | None = None,
+    program: bool = False,
+) -> LoadedProfile:
+    """A profile as a file's path, a dict (as the YAML would parse) or a Profile, checked as
+    ``load_profile`` checks a file (the same ``place: message`` problems). A dict's or a Profile's model
+    imports and weights are relative to ``folder`` (default: the current directory)."""
+    if isinstance(profile, LoadedProfile):
+        return profile
+    if isinstance(profile, (str, Path)):
+        return load_profile(profile, program=program)
+    where = Path(folder if folder is not None else Path.cwd()).resolve() / PROFILE_NAME
+    if isinstance(profile, Profile):
+        profile = profile.model_dump(exclude_unset=True)
+    return checked_profile(profile, where, source=PROFILE_NAME, program=program)
+
+
+# How a profile given as a dict or a Profile is named in errors (and its path's last part).
+PROFILE_NAME = "<profile>"
+
+
+def checked_profile(raw: Any, path: Path, *, source: str, program: bool = False) -> LoadedProfile:
+    """``raw`` (a parsed document) as a checked profile at ``path`` (its folder is the model's); every
+    problem at once, as ``source: place: message``."""
     if not isinstance(raw, dict):
         raise ProfileError(source, [("", "a profile is a YAML mapping (name:, model:, inputs:, dims:)")])
     try:
@@ -38,12 +69,37 @@ def load_profile(path: str | Path) -> LoadedProfile:
     problems = (
         semantic_problems(profile) + inductor_option_problems(profile.compile.inductor) + tune_problems(profile.compile)
     )
-    problems += precision_problems(profile, path.parent)
-    if profile.model.weights is not None and not (path.parent / profile.model.weights).is_file():
-        problems.append(("model.weights", f"file not found: {path.parent / profile.model.weights}"))
+    problems += precision_problems(profile, path.parent) + model_problems(profile, path.parent, program=program)
     if problems:
         raise ProfileError(source, problems)
-    return LoadedProfile(profile=profile, path=path.resolve())
+    return LoadedProfile(profile=profile, path=path)
+
+
+def model_problems(profile: Profile, folder: Path, *, program: bool) -> list[tuple[str, str]]:
+    """The ``model`` section against where the model comes from: a factory (and its weights file), or
+    an exported program handed to the build (which is built in fp32 only: it is not the model itself)."""
+    model = profile.model
+    if program:
+        lower = [p for t in profile.targets for p in profile.precisions(t) if p != "fp32"]
+        if lower:
+            return [
+                (
+                    "precision",
+                    f"{', '.join(dict.fromkeys(lower))} need the model itself (model.factory): an exported program "
+                    "is built in fp32",
+                )
+            ]
+        return []
+    if model.factory is None:
+        return [
+            (
+                "model.factory",
+                'required: "module:callable" returning the nn.Module (or give precompile.build the exported program)',
+            )
+        ]
+    if model.weights is not None and not (folder / model.weights).is_file():
+        return [("model.weights", f"file not found: {folder / model.weights}")]
+    return []
 
 
 def validation_problems(errors: list[dict]) -> list[tuple[str, str]]:

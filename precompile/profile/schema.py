@@ -29,9 +29,13 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    factory: str = Field(
+    factory: Optional[str] = Field(
+        default=None,
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
-        description='"module:callable" returning a torch.nn.Module; the profile\'s folder is on sys.path while importing',
+        description=(
+            '"module:callable" returning a torch.nn.Module; the profile\'s folder is on sys.path while importing '
+            "(required, unless precompile.build is given the exported program, which replaces factory, kwargs and weights)"
+        ),
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the factory")
     weights: Optional[str] = Field(
@@ -47,17 +51,34 @@ class ModelSpec(_Strict):
     )
 
 
+class SampleSpec(_Strict):
+    range: tuple[float, float] = Field(
+        description=(
+            "inclusive [low, high] the build's sample inputs are drawn from (ints: integers drawn uniformly; floats: "
+            "uniform; bool: [1, 1] all true, [0, 0] all false), within the input's range: e.g. an attention mask "
+            "sampled as ones ({range: [1, 1]}) whose valid values are [0, 1]"
+        )
+    )
+
+
 class InputSpec(_Strict):
     shape: list[Union[str, int]] = Field(description="per axis: a dim name from `dims`, or an int for a static size")
     dtype: Dtype = Field(description="torch dtype name")
     range: Optional[tuple[float, float]] = Field(
         default=None,
         description=(
-            "inclusive [low, high] of sample values (ints: integers drawn uniformly; floats: uniform); for integer "
-            "inputs also the values the loader accepts at every call (default: [0, rows - 1] of the table the input "
-            "indexes, found by the build)"
+            "inclusive [low, high] of the input's valid values: for integer inputs the loader refuses every call with a "
+            "value outside it (default: [0, rows - 1] of the table the input indexes, found by the build); the build's "
+            "samples are drawn from it unless `sample` says otherwise"
         ),
     )
+    sample: Optional[SampleSpec] = Field(
+        default=None, description="how the build's sample inputs are drawn, when not from the whole valid range"
+    )
+
+    def sample_range(self) -> tuple[float, float] | None:
+        """The values samples are drawn from: ``sample.range``, else the valid ``range``."""
+        return self.sample.range if self.sample is not None else self.range
 
 
 class DimSpec(_Strict):
@@ -260,7 +281,7 @@ class CpuSpec(_Strict):
 
 class Profile(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", description="artifact name")
-    model: ModelSpec
+    model: ModelSpec = Field(default_factory=ModelSpec, description="the model: its factory, weights, outputs kept")
     inputs: dict[str, InputSpec] = Field(description="inputs in forward() order")
     dims: dict[str, DimSpec] = Field(default_factory=dict, description="every dim name used in an input shape")
     target: Union[Literal["cpu", "cuda"], list[Literal["cpu", "cuda"]]] = Field(
@@ -329,7 +350,8 @@ class LoadedProfile(BaseModel):
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
     profile: Profile
-    path: Path
+    path: Path  # a profile given as a dict or a Profile: <folder>/<profile>, named so in errors
+    program: Optional[Path] = None  # a saved torch.export program replacing model.factory (precompile.build)
 
     @property
     def folder(self) -> Path:

@@ -21,7 +21,11 @@ from loader.manifest import Manifest
 
 
 class BodyError(ValueError):
-    """The request body is not a well-formed request (HTTP 422)."""
+    """The request body is not a well-formed request (HTTP 422 on /predict and /v1, 400 on /v2)."""
+
+
+class NotJSONObject(BodyError):
+    """The body is not JSON, or not a JSON object: HTTP 400 on every route."""
 
 
 _INT_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
@@ -37,8 +41,8 @@ MAX_DEFAULT_BODY_BYTES = 256 << 20
 
 def parse_body(body: bytes) -> dict[str, Any]:
     """The ``inputs`` object of a predict request, or BodyError saying what is wrong."""
-    data = parse_json(body)
-    if not isinstance(data, dict) or set(data) != {"inputs"}:
+    data = parse_object(body, 'expected a JSON object {"inputs": {"<input name>": [...], ...}}')
+    if set(data) != {"inputs"}:
         raise BodyError('expected a JSON object {"inputs": {"<input name>": [...], ...}}')
     inputs = data["inputs"]
     if not isinstance(inputs, dict):
@@ -47,11 +51,19 @@ def parse_body(body: bytes) -> dict[str, Any]:
 
 
 def parse_json(body: bytes) -> Any:
-    """The JSON document in ``body``; BodyError when it is not one."""
+    """The JSON document in ``body``; NotJSONObject when it is not one."""
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as e:
-        raise BodyError(f"the body is not valid JSON ({e})") from None
+        raise NotJSONObject(f"the body is not valid JSON ({e})") from None
+
+
+def parse_object(body: bytes, expected: str) -> dict[str, Any]:
+    """The JSON object in ``body``; NotJSONObject saying ``expected`` when it is JSON of another kind."""
+    data = parse_json(body)
+    if not isinstance(data, dict):
+        raise NotJSONObject(f"{expected}, got {json_kind(data)}")
+    return data
 
 
 def to_tensors(inputs: dict[str, Any], manifest: Manifest) -> dict[str, Any]:

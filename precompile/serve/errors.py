@@ -5,8 +5,9 @@ exception means. Codes are gRPC's (and Triton's ``TRITONSERVER_Error`` kinds); e
 them to HTTP statuses:
 
     code (gRPC status)   HTTP /predict, /v1  HTTP /v2   raised for
-    INVALID_ARGUMENT     422                 400        a malformed body, a value the codec refuses, a
-                                                        guard's refusal, outputs JSON cannot carry
+    INVALID_ARGUMENT     400                 400        a body that is not JSON, or not a JSON object
+                         422                 400        a field of the wrong kind, a value the codec
+                                                        refuses, a guard's refusal, outputs JSON cannot carry
     NOT_FOUND            404                 404        an unknown model or version
     PERMISSION_DENIED    403                 403        a reload or repository control the server's
                                                         options forbid
@@ -33,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from loader import BatcherFull, GuardError, LoaderError
 
-from .codec import BodyError
+from .codec import BodyError, NotJSONObject
 from .instances import InstancesClosed, InstancesFull
 from .metrics import guard_reason
 from .reload import ReloadRefused
@@ -55,10 +56,11 @@ CLIENT_CLOSED = 499  # nginx's "client closed request", as grpc-gateway maps CAN
 class Refused(Exception):
     """A request the server answers with ``code`` and this message; ``reason`` labels it in metrics."""
 
-    def __init__(self, code: Code, message: str, reason: str | None = None):
+    def __init__(self, code: Code, message: str, reason: str | None = None, *, malformed: bool = False):
         super().__init__(message)
         self.code = code
         self.reason = reason
+        self.malformed = malformed  # not JSON, or not an object: 400 on every route
 
 
 class ClientGone(Refused):
@@ -76,9 +78,9 @@ class Protocol:
     invalid_status: int  # INVALID_ARGUMENT: 422 (FastAPI's convention) or 400 (the v2 protocol)
     error_key: str  # "detail" or "error"
 
-    def status(self, code: Code) -> int:
+    def status(self, code: Code, *, malformed: bool = False) -> int:
         if code is Code.INVALID_ARGUMENT:
-            return self.invalid_status
+            return 400 if malformed else self.invalid_status
         return _STATUS[code]
 
     def body(self, refused: Refused) -> dict[str, Any]:
@@ -110,7 +112,7 @@ def refusal(e: Exception) -> Refused | None:
     if isinstance(e, GuardError):
         return Refused(Code.INVALID_ARGUMENT, str(e), guard_reason(e))
     if isinstance(e, BodyError):
-        return Refused(Code.INVALID_ARGUMENT, str(e), "invalid_body")
+        return Refused(Code.INVALID_ARGUMENT, str(e), "invalid_body", malformed=isinstance(e, NotJSONObject))
     if isinstance(e, ReloadRefused):
         return Refused(Code.PERMISSION_DENIED, str(e))
     if isinstance(e, (BatcherFull, InstancesFull)):

@@ -39,7 +39,7 @@ from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 
-from .. import __version__
+from ..version import __version__
 from . import predict_v2_pb2 as pb
 from . import repository
 from .codec import MAX_RANK, check_finite

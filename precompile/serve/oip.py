@@ -41,8 +41,8 @@ from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 
-from .. import __version__
-from .codec import MAX_RANK, BodyError, check_finite, dumps, json_kind, parse_json, to_tensor
+from ..version import __version__
+from .codec import MAX_RANK, BodyError, check_finite, dumps, json_kind, parse_json, parse_object, to_tensor
 from .errors import Code, Refused
 from .repository import Models, Repository
 from .service import Service
@@ -272,9 +272,10 @@ def parse_infer_request(body: bytes, header_length: str | None, manifest: Manife
         if not 0 <= n <= len(body):
             raise _invalid(f"{HEADER_LENGTH}: {n} is not within the body's {len(body)} bytes")
         body, binary = body[:n], body[n:]
-    request = parse_json(body)
-    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
-        raise _invalid('expected a JSON object {"inputs": [{"name", "shape", "datatype", "data"}, ...]}')
+    expected = 'expected a JSON object {"inputs": [{"name", "shape", "datatype", "data"}, ...]}'
+    request = parse_object(body, expected)
+    if not isinstance(request.get("inputs"), list):
+        raise _invalid(expected)
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise _invalid(f"id: expected a string, got {json_kind(request_id)}")

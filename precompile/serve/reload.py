@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from loader import LoaderError
 from loader.live import resolve_pointer
 
-from .codec import BodyError, parse_json
+from .codec import BodyError, parse_object
 
 
 class ReloadRequest(BaseModel):
@@ -40,8 +40,8 @@ def parse_reload_request(raw: bytes) -> str | None:
     """The path a reload request names (None: the served one); BodyError when malformed."""
     if not raw.strip():
         return None
-    data = parse_json(raw)
-    if isinstance(data, dict) and "allow_rollback" in data:
+    data = parse_object(raw, 'expected {"path": "<artifact folder, pack or pointer>"}')
+    if "allow_rollback" in data:
         raise BodyError(
             '"allow_rollback" is not a request field: the server decides rollbacks (precompile serve --allow-rollback)'
         )

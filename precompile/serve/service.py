@@ -259,7 +259,7 @@ def refusal_response(scope: dict[str, Any], refused: Refused, count: Callable[[i
     reason)`` when the path runs a model, and logged in one line."""
     path = scope["path"]
     protocol = OIP if path.startswith("/v2") else API
-    status = protocol.status(refused.code)
+    status = protocol.status(refused.code, malformed=refused.malformed)
     if is_prediction(path):
         count(status, refused.reason)
     if refused.code is not Code.INTERNAL:  # a server fault was logged with its traceback already

@@ -25,12 +25,12 @@ from loader.host import cpu_capability, cpu_features
 from loader.isa import LEVELS
 from loader.manifest import CheckRecord, ConstantSpec, DimRange, Manifest, Target, Variant, parse_manifest
 
-from .. import __version__
 from ..analysis.value_ranges import manifest_inputs
 from ..context import BuildContext
 from ..errors import CompileError
 from ..native_check import needs_torch
 from ..units import CompiledUnit
+from ..version import __version__
 from ..write import file_entries, write_manifest, write_weights
 
 # CPU features (torch.cpu.get_capabilities() names) whose instructions a precision's kernels may use.

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from torch.export import ExportedProgram
 from ..calibration import Sample, fallback_inputs, inside
 from ..errors import CompileError, ExportError
 from ..profile import Profile
+from ..quiet import quiet_third_party_warnings
 from ..tracing import export_model
 from ..units import VariantPlan
 
@@ -115,16 +115,6 @@ def _export_static_int8(
 
 
 # Warnings printed on import by packages a model may pull in, that say nothing about the build:
-# torchao (imported by transformers when installed) lists each optional CUDA extension it cannot load
-# on a CPU host, and torch's pytree warns about torchao's enum registrations.
-NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
-def quiet_third_party_warnings() -> None:
-    for name in NOISY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 @contextlib.contextmanager
 def quiet_torchao():
     """torchao warns, on import, about every optional CUDA extension it cannot load (on every CPU host),

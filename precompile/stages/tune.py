@@ -20,7 +20,7 @@ import torch
 
 from ..compare import CheckReport, compare
 from ..errors import CheckError
-from ..options import ISA_OPTIONS, same_as_earlier
+from ..options import ISA_OPTIONS, options_label, same_as_earlier
 from ..profile import Profile
 from ..runners import Runner, device_sync, open_candidate, run_eager, time_calls
 from ..samples import make_inputs, to_device
@@ -86,7 +86,7 @@ def describe(trials: list[Trial]) -> str:
     """One line per variant for the build's output: each candidate's time, the winner marked."""
     parts = []
     for t in trials:
-        label = ",".join(f"{k}={v}" for k, v in t.options.items()) or "defaults"
+        label = f"{t.candidate}:{options_label(t.options)}"  # numbered: two candidates never read alike
         if t.error is not None:
             parts.append(f"{label}: failed")
         else:

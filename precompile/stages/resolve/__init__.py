@@ -18,18 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.export import ExportedProgram
 
 from loader.constants import INTEGER_DTYPES
 from loader.manifest import OutputSpec
 from loader.outputs import flatten
 
-from ..analysis.value_ranges import check_declared_ranges, index_tables
-from ..context import OutputDims
-from ..errors import DimBoundError, ExportError, ModelError, ProfileError
-from ..profile import LoadedProfile
-from ..runners import run_eager
-from ..samples import make_inputs
-from ..tracing import export_model
+from ...analysis.value_ranges import check_declared_ranges, index_tables
+from ...context import OutputDims
+from ...errors import DimBoundError, ExportError, ModelError, ProfileError
+from ...profile import LoadedProfile
+from ...runners import run_eager
+from ...samples import make_inputs
+from ...tracing import export_model
+from .program import check_program, program_module, read_program, save_program
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,18 +39,35 @@ class Resolved:
     model: torch.nn.Module
     output: OutputSpec  # the structure of forward()'s result
     output_dims: OutputDims | None  # the profile's ``outputs`` as dim names per axis, checked
+    loaded: LoadedProfile  # as compile workers read it: with the exported program's file, if any
 
 
-def resolve(loaded: LoadedProfile, sizes: dict[str, int]) -> Resolved:
-    """The model, run once in eager on sample inputs of ``sizes``."""
-    model = resolve_model(loaded)
+def resolve(
+    loaded: LoadedProfile,
+    sizes: dict[str, int],
+    program: ExportedProgram | str | Path | None = None,
+    *,
+    scratch: Path | None = None,
+) -> Resolved:
+    """The model (``program``'s module when given, else the profile's factory's), run once in eager on
+    sample inputs of ``sizes``. A program given in memory is saved under ``scratch`` for the compile
+    workers, which read it from there."""
+    if program is not None and not isinstance(program, ExportedProgram):
+        loaded = loaded.model_copy(update={"program": Path(program).resolve()})
+        program = None
+    model = resolve_model(loaded, program)
     args = make_inputs(loaded.profile, sizes, seed=loaded.profile.check.seed)
     try:
         eager_out = run_eager(model, args, profile=loaded.profile, sizes=sizes)
     except ModelError as e:
         explain_eager_failure(loaded, model, sizes, e)  # a range past a table, if that is why
         raise
-    return Resolved(model, output_spec(eager_out), output_dims(loaded, flatten(eager_out), sizes))
+    dims = output_dims(loaded, flatten(eager_out), sizes)
+    if program is not None:
+        if scratch is None:
+            raise ValueError("resolve: an ExportedProgram in memory needs a scratch folder to save it in")
+        loaded = loaded.model_copy(update={"program": save_program(program, scratch)})
+    return Resolved(model, output_spec(eager_out), dims, loaded)
 
 
 def output_spec(value: Any, where: str = "output") -> OutputSpec:
@@ -138,10 +157,18 @@ def explain_eager_failure(
     check_declared_ranges(loaded, index_tables(ep, loaded.profile))
 
 
-def resolve_model(loaded: LoadedProfile) -> torch.nn.Module:
-    """Import ``module:callable`` (the profile's folder first on sys.path), call it, load weights."""
+def resolve_model(loaded: LoadedProfile, program: ExportedProgram | None = None) -> torch.nn.Module:
+    """Import ``module:callable`` (the profile's folder first on sys.path), call it, load weights; or,
+    given an exported program (``program``, or the file ``loaded.program``), its module, once its
+    inputs are checked against the profile's (``stages.program``)."""
+    if program is not None or loaded.program is not None:
+        ep = program if program is not None else read_program(loaded.program)
+        check_program(ep, loaded)
+        return adapt(program_module(ep), list(loaded.profile.inputs), loaded.profile.model.outputs)
     spec = loaded.profile.model
     source = str(loaded.path)
+    if spec.factory is None:  # load_profile refuses it unless a program was to be given
+        raise ProfileError(source, [("model.factory", "required when no exported program is given")])
     module_name, _, attr = spec.factory.partition(":")
     folder = str(loaded.folder)
     _forget_foreign_module(module_name.split(".")[0], Path(folder))
@@ -172,7 +199,16 @@ def resolve_model(loaded: LoadedProfile) -> torch.nn.Module:
         )
     if spec.weights is not None:
         _load_weights(model, loaded.folder / spec.weights, source)
-    return adapt(model.eval(), list(loaded.profile.inputs), spec.outputs)
+    return adapt(_inference_mode(model), list(loaded.profile.inputs), spec.outputs)
+
+
+def _inference_mode(model: torch.nn.Module) -> torch.nn.Module:
+    """``model.eval()``; a module that refuses it (``torch.export.load(...).module()`` raises
+    NotImplementedError: an exported graph's mode was fixed when it was exported) as it is."""
+    try:
+        return model.eval()
+    except NotImplementedError:
+        return model
 
 
 class Adapted(torch.nn.Module):
@@ -219,7 +255,9 @@ def adapt(model: torch.nn.Module, names: list[str], outputs: list[str | int] | N
     positional = params is None or params[: len(names)] == names or not set(names) <= set(params)
     if positional and outputs is None:
         return model
-    return Adapted(model, None if positional else names, outputs).eval()
+    adapted = Adapted(model, None if positional else names, outputs)
+    adapted.training = False  # the model's own mode is its caller's (an exported program's cannot change)
+    return adapted
 
 
 def _parameters(model: torch.nn.Module) -> list[str] | None:
