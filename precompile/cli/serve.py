@@ -114,6 +114,17 @@ if TYPE_CHECKING:
     show_default=True,
     help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.",
 )
+@click.option(
+    "--runtime",
+    type=click.Choice(["auto", "native", "torch"]),
+    default="auto",
+    show_default=True,
+    help=(
+        "What runs the compiled code: native (loader.load_native: CPU variants through their C interface, torch's "
+        "libraries but never `import torch`: a faster start, less memory), torch (loader.load), or auto (native "
+        "when the manifest records every CPU variant as runnable without torch, else torch)."
+    ),
+)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")
 @click.option(
     "--log-level",
@@ -143,6 +154,7 @@ def serve(
     max_delay_ms: float,
     max_queue: int,
     precision: str,
+    runtime: str,
     no_verify: bool,
     log_level: str,
 ) -> None:
@@ -166,7 +178,7 @@ def serve(
         batch=batch,
         max_batch=max_batch,
     )
-    manifest = _preflight(artifact, record, trusted_keys)
+    manifest, runtime = _preflight(artifact, record, trusted_keys, runtime)
 
     from ..serve.codec import body_limit
     from ..serve.config import ServeConfig
@@ -191,6 +203,7 @@ def serve(
         max_delay_ms=max_delay_ms,
         max_queue=max_queue,
         precision=precision,
+        runtime=runtime,
     )
     # uvicorn drains on SIGTERM, then raises it again against the handler it found: with this one, a
     # drain that a stop asked for (docker stop, a pod's termination) ends with status 0, not 143.
@@ -242,16 +255,29 @@ def _given(name: str) -> bool:
     return source is not None and source is not click.core.ParameterSource.DEFAULT
 
 
-def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]) -> Manifest:
-    """Refuse at once what would only fail later in the background: no artifact, one for another host,
-    a key that is not one, an unreadable traffic file. Returns the artifact's manifest."""
+def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...], runtime: str) -> tuple[Manifest, str]:
+    """Refuse at once what would only fail later in the background: no artifact, one for another host
+    or that the runtime asked for cannot run, a key that is not one, an unreadable traffic file.
+    Returns the artifact's manifest and the runtime to serve it with (``auto`` decided)."""
     from loader.host import check_compatible
     from loader.live import read_served_manifest
     from loader.traffic import expand_path, read_histogram
     from loader.trust import public_keys
 
     manifest = read_served_manifest(artifact)
-    check_compatible(manifest, manifest.target.device)
+    host = None  # the torch loader's facts (torch imported)
+    if runtime != "torch":
+        from loader.native import manifest_problem
+        from loader.native.libs import find_torch, host_facts
+
+        problem = manifest_problem(manifest)
+        if problem is not None and runtime == "native":
+            raise click.ClickException(f"--runtime native: {artifact}: {problem}; serve it with --runtime torch")
+        if problem is None:
+            runtime, host = "native", host_facts(find_torch())  # gathered without importing torch
+        else:
+            runtime = "torch"
+    check_compatible(manifest, manifest.target.device, host)
     if trusted_keys:
         public_keys(trusted_keys)
     if record:
@@ -260,4 +286,4 @@ def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]
             raise click.ClickException(f"--record {record}: folder {path.parent} does not exist")
         if path.exists():
             read_histogram(path)  # it will be added to: it must be a traffic file
-    return manifest
+    return manifest, runtime

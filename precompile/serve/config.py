@@ -35,13 +35,15 @@ class ServeConfig:
     max_delay_ms: float = 2.0
     max_queue: int = 1024
     precision: str = "auto"  # loader.load(precision=...): auto | fp32 | bf16 | int8
+    runtime: str = "torch"  # torch: loader.load; native: loader.load_native, torch never imported
 
     def batcher_options(self) -> dict:
         """The keyword arguments ``loader.Batcher`` gets, with ``batch`` on."""
         return {"max_batch": self.max_batch, "max_delay_ms": self.max_delay_ms, "max_queue": self.max_queue}
 
     def load_options(self) -> dict:
-        """The keyword arguments ``loader.load`` gets for every version this server loads."""
+        """The keyword arguments ``loader.load`` (or ``loader.load_native``) gets for every version
+        this server loads."""
         return {
             "verify": self.verify,
             "trusted_keys": list(self.trusted_keys) or None,
