@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,14 +23,16 @@ import numpy as np
 import pytest
 
 import loader
+from bench.serve_load import stop_server
 from loader import SwapError
+from loader.threads import cpu_allowance
 from precompile.serve.app import create_app
 from precompile.serve.config import ServeConfig
 from tests.test_batching_section import call as encoder_call
 from tests.test_batching_section import encoder_artifact  # noqa: F401 (the fixture, built for this module)
 from tests.test_oip import infer as infer_with
 from tests.test_serve import AppClient, invoke
-from tests.test_serve_load import DEADLINE, free_port, wait_ready
+from tests.test_serve_load import DEADLINE, free_port, replace_link, wait_ready
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 
@@ -54,30 +57,26 @@ runpy.run_module("precompile", run_name="__main__")
 
 
 @contextmanager
-def serving(artifact: Path, *options: str, no_torch: bool = False):
-    """`precompile serve ARTIFACT OPTIONS` on a free loopback port, ready; yields (base URL, pid)."""
+def serving(artifact: Path, *options: str, no_torch: bool = False, **env: str):
+    """`precompile serve ARTIFACT OPTIONS` on a free loopback port, ready, with ``env`` added to an
+    environment without OpenMP settings; yields (base URL, pid, the file its output goes to)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     args = ["serve", str(artifact), "--port", str(port), "--log-level", "warning", *options]
     start = [sys.executable, "-c", NO_TORCH_SERVE] if no_torch else [sys.executable, "-m", "precompile"]
-    process = subprocess.Popen(
-        start + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
+    with tempfile.NamedTemporaryFile("w+", prefix="serve-native-", suffix=".log") as log:
+        process = subprocess.Popen(start + args, cwd=ROOT, env={**environ, **env}, stdout=log, stderr=log)
         try:
-            wait_ready(f"http://127.0.0.1:{port}")
-        except TimeoutError:
-            process.kill()
-            raise AssertionError(process.communicate()[0][-3000:]) from None
-        yield f"http://127.0.0.1:{port}", process.pid
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            out = process.communicate(timeout=DEADLINE)[0]
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out = process.communicate()[0]
-        assert process.returncode == 0, out[-3000:]
+            try:
+                wait_ready(f"http://127.0.0.1:{port}")
+            except TimeoutError:
+                process.kill()
+                process.wait()
+                raise AssertionError(Path(log.name).read_text()[-3000:]) from None
+            yield f"http://127.0.0.1:{port}", process.pid, Path(log.name)
+        finally:
+            stop_server(process)  # SIGTERM: a drain, then status 0
+        assert process.returncode == 0, Path(log.name).read_text()[-3000:]
 
 
 def mapped_libraries(pid: int) -> set[str]:
@@ -88,23 +87,22 @@ def mapped_libraries(pid: int) -> set[str]:
 
 @pytest.fixture(scope="module")
 def torch_server(classifier_artifact):
-    with serving(classifier_artifact, "--runtime", "torch") as (base, pid):
+    with serving(classifier_artifact, "--runtime", "torch") as (base, _, _):
         yield base
 
 
 @pytest.fixture(scope="module")
 def native_server(classifier_artifact):
-    with serving(classifier_artifact, "--runtime", "native") as (base, pid):
-        yield base, pid
+    # libgomp prints the settings it started with: they must be the server's (passive, the CPUs it gets).
+    with serving(classifier_artifact, "--runtime", "native", OMP_DISPLAY_ENV="VERBOSE") as (base, pid, log):
+        yield base, pid, log
 
 
 @pytest.fixture(scope="module")
 def native_batch_server(classifier_artifact):
     """The native runtime with --batch, where torch cannot be imported at all."""
-    with serving(classifier_artifact, "--runtime", "native", "--batch", "--max-delay-ms", "50", no_torch=True) as (
-        base,
-        _,
-    ):
+    options = ("--runtime", "native", "--batch", "--max-delay-ms", "50")
+    with serving(classifier_artifact, *options, no_torch=True) as (base, _, _):
         yield base
 
 
@@ -136,7 +134,7 @@ def infer(base: str, ids: np.ndarray, mask: np.ndarray, *, binary: bool) -> np.n
 
 
 def test_the_native_server_runs_libtorch_without_importing_torch(native_server):
-    _, pid = native_server
+    _, pid, _ = native_server
     libraries = mapped_libraries(pid)
     assert "libtorch_cpu.so" in libraries  # the compiled code runs on torch's libraries...
     # ...but the Python package never loaded: its extension module and its Python bindings are absent.
@@ -155,13 +153,44 @@ def descendants(pid: int) -> list[int]:
 
 
 def test_several_native_workers_serve_without_torch(classifier_artifact, torch_server):
-    with serving(classifier_artifact, "--runtime", "native", "--workers", "2") as (base, pid):
+    with serving(classifier_artifact, "--runtime", "native", "--workers", "2") as (base, pid, _):
         ids, mask = call_inputs(7, 2, 12)
         for _ in range(4):  # the connections land on either worker
             assert predict(base, ids, mask).json() == predict(torch_server, ids, mask).json()
         maps = [mapped_libraries(p) for p in descendants(pid)]
     assert sum("libtorch_cpu.so" in m for m in maps) >= 2  # each worker runs the compiled code
     assert not [name for m in maps for name in m if name.startswith("_C.") or name == "libtorch_python.so"]
+
+
+def test_the_native_server_follows_deploys(classifier_versions, tmp_path):
+    current = tmp_path / "current"
+    current.symlink_to(classifier_versions[0])
+    with serving(current, "--runtime", "native", "--watch", "--watch-interval", "0.05") as (base, _, _):
+        ids, mask = call_inputs(8, 1, 6)
+        before = predict(base, ids, mask).json()
+        replace_link(current, classifier_versions[2])
+        deadline = time.monotonic() + DEADLINE
+        while httpx.get(f"{base}/readyz").json()["version"] != 3:
+            assert time.monotonic() < deadline, "the deploy was not picked up"
+            time.sleep(0.05)
+        after = predict(base, ids, mask).json()
+        replace_link(current, classifier_versions[1])  # an older version: refused, version 3 serves on
+        deadline = time.monotonic() + DEADLINE
+        while (attempt := httpx.get(f"{base}/v1/artifact").json()["last_attempt"])["version"] != 2:
+            assert time.monotonic() < deadline, "the rollback was not tried"
+            time.sleep(0.05)
+        assert not attempt["ok"] and "older than the serving version 3" in attempt["error"]
+        assert httpx.get(f"{base}/readyz").json()["version"] == 3
+    assert before["artifact"]["version"] == 1 and after["artifact"]["version"] == 3
+    assert after["outputs"] == before["outputs"]  # the versions are copies of one artifact
+
+
+def test_openmp_starts_with_the_servers_settings(native_server):
+    """OpenMP reads its settings once, when libgomp loads: the native server puts them in its own
+    environment first (no re-exec: nothing loaded it before), and libgomp starts with them."""
+    settings = native_server[2].read_text()
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in settings or "GOMP_SPINCOUNT = '0'" in settings
+    assert f"OMP_NUM_THREADS = '{cpu_allowance().cpus}'" in settings
 
 
 # --- the same answers as the torch runtime ---------------------------------------------------------

@@ -113,6 +113,10 @@ class Codec:
     def _bool_bytes_ok(self, a: Any) -> bool:
         raise NotImplementedError
 
+    def _count(self, a: Any) -> int:
+        """How many values ``a`` holds."""
+        raise NotImplementedError
+
     def _reshape(self, a: Any, shape: list[int]) -> Any:
         return a.reshape(shape)
 
@@ -168,7 +172,7 @@ class Codec:
             overflow = isinstance(e, OverflowError) or str(e).startswith("Overflow")
             detail = "Overflow: a value is beyond the int64 and float64 ranges" if overflow else first_line(e)
             raise BodyError(f"input {name!r}: not a rectangular nested list of numbers ({detail})") from None
-        if want == "bool" or _count(a) == 0:
+        if want == "bool" or self._count(a) == 0:
             return self._cast(a, dtype)
         if want == "int":
             low, high = INT_RANGES[dtype]
@@ -193,8 +197,8 @@ class Codec:
         if not isinstance(data, list):
             raise BodyError(f"input {name!r}: data must be a list (or use binary_data_size)")
         a = self.array(name, data, dtype)
-        if _count(a) != count:
-            raise BodyError(f"input {name!r}: {_count(a)} values for shape {shape}")
+        if self._count(a) != count:
+            raise BodyError(f"input {name!r}: {self._count(a)} values for shape {shape}")
         return self._reshape(a, shape)
 
     def binary(
@@ -228,10 +232,6 @@ class Codec:
         raise TypeError(f"unexpected output of type {type(outputs).__name__}")
 
 
-def _count(a: Any) -> int:
-    return a.numel() if callable(getattr(a, "numel", None)) else int(a.size)
-
-
 class NumpyCodec(Codec):
     """numpy arrays, for the torch-free loader."""
 
@@ -254,6 +254,9 @@ class NumpyCodec(Codec):
 
     def _finite(self, a: Any) -> bool:
         return bool(self.np.isfinite(a).all())
+
+    def _count(self, a: Any) -> int:
+        return int(a.size)
 
     def _from_bytes(self, binary: bytes, offset: int, count: int, dtype: str) -> Any:
         np = self.np
@@ -304,6 +307,9 @@ class TorchCodec(Codec):
 
     def _finite(self, a: Any) -> bool:
         return bool(self.torch.isfinite(a).all())
+
+    def _count(self, a: Any) -> int:
+        return a.numel()
 
     def _from_bytes(self, binary: bytes, offset: int, count: int, dtype: str) -> Any:
         torch, torch_dtype = self.torch, self.dtypes[dtype]
