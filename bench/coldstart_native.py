@@ -1,21 +1,33 @@
 """Cold start of the torch-free loader beside today's loader (and ONNX Runtime, given the ONNX file of
-the same model and the bench extra): fresh process to first correct result, and peak RSS.
+the same model and the bench extra): fresh process to first correct result, and peak RSS; and the
+same for the server on each runtime (process start to the first 200 of POST /v2/models/NAME/infer).
 
-    python -m bench.coldstart_native ARTIFACT [--rounds 5] [--dims batch=4,seq=77] [--onnx FILE] [-o OUT.json]
+    python -m bench.coldstart_native ARTIFACT[=ONNX] [ARTIFACT[=ONNX] ...] [--rounds 5]
+        [--dims batch=4,seq=77] [--no-server] [-o OUT.json]
+
+    # MiniLM and a convnet as the bench builds them (python -m bench --keep KEEP: KEEP/CASE/planned is the
+    # artifact, KEEP/CASE/model.onnx the same model for ONNX Runtime, which needs the bench extra):
+    python -m bench.coldstart_native KEEP/minilm/planned=KEEP/minilm/model.onnx \\
+        KEEP/resnet50/planned=KEEP/resnet50/model.onnx --rounds 10 -o coldstart_native.json
 
 Methods, alternated round by round so a neighbour's load slows them alike:
 
     native        python, numpy, ``loader.load_native`` (torch's libraries, never ``import torch``)
     loader        python, ``import torch``, ``loader.load`` (what serving does today)
-    onnxruntime   python, numpy, ``onnxruntime`` on --onnx (skipped without it or without the package)
+    onnxruntime   python, numpy, ``onnxruntime`` on the ONNX file (skipped without one or without the package)
+    serve-native  ``precompile serve ARTIFACT --runtime native``: start to the first 200 on /v2 infer
+    serve-torch   ``precompile serve ARTIFACT --runtime torch``, the same (both skipped with --no-server)
 
 Each child (``--child METHOD``) imports only what its method needs, loads, runs one call on inputs
 made from the manifest (a fixed seed; each dim at ``--dims`` or the first variant's hint), and prints
 the wall-clock time of its result and its peak RSS (``ru_maxrss``) before it saves the outputs; the
 time counted is from just before the parent starts the process, interpreter start-up and imports
-included. The parent checks each result against the torch loader's: bit-identical for the
-torch-free path, within 1e-3 relative for ONNX Runtime. Figures mean something only on a quiet
-machine; the script prints them, it never asserts on them.
+included. A server is started on a free loopback port and sent the same call (binary tensors) until
+it answers 200; its peak RSS is the kernel's high-water mark (``VmHWM``) read then. The parent checks
+each result against the torch loader's: bit-identical for the torch-free path, within 1e-3 relative
+for ONNX Runtime, within 1e-4 for the servers (they size their thread pools from the CPUs the
+process gets, which may sum in another order). Figures mean something only on a quiet machine; the
+script prints them, it never asserts on them.
 """
 
 from __future__ import annotations
@@ -29,10 +41,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-METHODS = ("native", "loader", "onnxruntime")
+METHODS = ("native", "loader", "onnxruntime", "serve-native", "serve-torch")
 ROOT = Path(__file__).resolve().parent.parent
+SERVER_DEADLINE = 300.0  # seconds a server may take to answer its first call
 
 
 def make_case(artifact: Path, dims: dict[str, int], out: Path) -> dict[str, int]:
@@ -42,7 +57,7 @@ def make_case(artifact: Path, dims: dict[str, int], out: Path) -> dict[str, int]
     from loader.artifact import read_manifest
 
     manifest = read_manifest(artifact)
-    sizes = {**manifest.variants[0].hint, **dims}
+    sizes = {**manifest.variants[0].hint, **{d: n for d, n in dims.items() if d in manifest.dims}}
     rng = np.random.default_rng(0)
     arrays = {}
     for spec in manifest.inputs:
@@ -95,10 +110,17 @@ def _first(result):
     return result
 
 
-def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None) -> dict:
+def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env["OMP_WAIT_POLICY"] = "PASSIVE"  # what precompile serve runs with, for every method alike
+    return env
+
+
+def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None) -> dict:
+    if method.startswith("serve-"):
+        return serve_once(method.removeprefix("serve-"), artifact, case, out)
+    env = child_env()
     command = [
         sys.executable,
         "-m",
@@ -118,55 +140,152 @@ def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None) 
     return {"seconds": report["done"] - began, "rss_mb": report["rss_mb"]}
 
 
+def infer_request(artifact: Path, case: Path) -> tuple[str, bytes, dict[str, str]]:
+    """The /v2 infer call of ``case``'s inputs, in binary, its first output asked for in binary."""
+    import numpy as np
+
+    from loader.artifact import read_manifest
+    from precompile.serve.oip import DATATYPES, HEADER_LENGTH
+
+    manifest = read_manifest(artifact)
+    feeds = dict(np.load(case))
+    inputs, chunks = [], []
+    for spec in manifest.inputs:
+        raw = np.ascontiguousarray(feeds[spec.name]).astype(feeds[spec.name].dtype.newbyteorder("<")).tobytes()
+        shape = list(feeds[spec.name].shape)
+        inputs.append(
+            {
+                "name": spec.name,
+                "shape": shape,
+                "datatype": DATATYPES[spec.dtype],
+                "parameters": {"binary_data_size": len(raw)},
+            }
+        )
+        chunks.append(raw)
+    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+    return f"/v2/models/{manifest.name}/infer", header + b"".join(chunks), {HEADER_LENGTH: str(len(header))}
+
+
+def first_binary_output(body: bytes, header_length: int):
+    """The first output of a binary infer response, as a numpy array."""
+    import numpy as np
+
+    from precompile.serve.oip import DATATYPES
+
+    header = json.loads(body[:header_length])
+    first = header["outputs"][0]
+    dtype = {code: name for name, code in DATATYPES.items()}[first["datatype"]]
+    size = first["parameters"]["binary_data_size"]
+    data = body[header_length : header_length + size]
+    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype).reshape(first["shape"])
+
+
+def serve_once(runtime: str, artifact: Path, case: Path, out: Path) -> dict:
+    """One server cold start: ``precompile serve --runtime RUNTIME`` to its first 200 on /v2 infer."""
+    import numpy as np
+
+    from bench.serve_load import free_port, stop_server
+    from precompile.serve.oip import HEADER_LENGTH
+
+    path, body, headers = infer_request(artifact, case)
+    port = free_port()
+    command = [sys.executable, "-m", "precompile", "serve", str(artifact), "--runtime", runtime]
+    command += ["--port", str(port), "--log-level", "warning"]
+    env = {k: v for k, v in child_env().items() if not k.startswith("OMP_")}  # the server sets its own
+    log = out.with_suffix(".log")
+    with open(log, "wb") as stderr:  # a file, not a pipe nobody reads while the server runs
+        began = time.time()
+        proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve-{runtime} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            if time.time() - began > SERVER_DEADLINE:
+                raise RuntimeError(f"serve-{runtime}: no 200 within {SERVER_DEADLINE:g} s")
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=SERVER_DEADLINE) as response:
+                    answer, length = response.read(), int(response.headers[HEADER_LENGTH])
+                break
+            except urllib.error.HTTPError as e:
+                if e.code != 503:  # 503 until the model is loaded; anything else is a wrong call
+                    raise RuntimeError(f"serve-{runtime}: HTTP {e.code}: {e.read()[:500]!r}") from None
+            except (urllib.error.URLError, ConnectionError):  # not listening yet
+                pass
+            time.sleep(0.01)
+        done = time.time()
+        rss_mb = _high_water_mb(proc.pid)
+    finally:
+        stop_server(proc)
+    np.save(out, first_binary_output(answer, length))
+    return {"seconds": done - began, "rss_mb": rss_mb}
+
+
+def _high_water_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def onnxruntime_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("onnxruntime") is not None
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:  # METHOD ARTIFACT CASE OUT ONNX-or-empty: one cold start
-        child(*argv[1:5], argv[5] or None)
-        return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("artifact", type=Path)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dims", default="", help="dim sizes of the call, e.g. batch=4,seq=77")
-    parser.add_argument("--onnx", help="the same model as ONNX (bench.onnx_export), for ONNX Runtime")
-    parser.add_argument("-o", "--output", type=Path, help="write the figures as JSON here too")
-    opts = parser.parse_args(argv)
+def measure(artifact: Path, onnx: str | None, opts: argparse.Namespace, dims: dict[str, int]) -> dict:
+    """Every method's cold starts on one model, checked against the torch loader's result."""
     import numpy as np
 
-    dims = {k: int(v) for k, v in (item.split("=", 1) for item in opts.dims.split(",") if item)}
-    methods = ["native", "loader"]
-    skipped = {}
-    if not opts.onnx:
-        skipped["onnxruntime"] = "no --onnx file given"
+    from loader.artifact import read_manifest
+    from loader.native import manifest_problem
+
+    problem = manifest_problem(read_manifest(artifact))
+    methods = ["loader"] if problem else ["native", "loader"]
+    skipped = {"native": f"the torch-free loader cannot serve it: {problem}"} if problem else {}
+    if not onnx:
+        skipped["onnxruntime"] = "no ONNX file given (ARTIFACT=ONNX)"
     elif not onnxruntime_available():
         skipped["onnxruntime"] = "onnxruntime is not installed (the bench extra: make venv-bench)"
     else:
         methods.append("onnxruntime")
+    if opts.no_server:
+        skipped["serve-native"] = skipped["serve-torch"] = "--no-server"
+    else:
+        methods += ["serve-torch"] if problem else ["serve-native", "serve-torch"]
+        if problem:
+            skipped["serve-native"] = skipped["native"]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         case = folder / "case.npz"
-        sizes = make_case(opts.artifact, dims, case)
+        sizes = make_case(artifact, dims, case)
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         results = {}
         for _ in range(opts.rounds):
             for method in methods:
                 out = folder / f"{method}.npy"
-                runs[method].append(start(method, opts.artifact, case, out, opts.onnx))
+                runs[method].append(start(method, artifact, case, out, onnx))
                 results[method] = np.load(out)
     reference = results["loader"]
-    checks = {
-        "native": bool(np.array_equal(results["native"], reference) and results["native"].dtype == reference.dtype)
-    }
+    scale = float(np.abs(reference).max()) or 1.0
+
+    def within(method: str, rtol: float) -> bool:
+        got = results[method]
+        return bool(got.shape == reference.shape and np.abs(got - reference).max() / scale <= rtol)
+
+    checks = {}
+    if "native" in results:
+        checks["native"] = bool(
+            np.array_equal(results["native"], reference) and results["native"].dtype == reference.dtype
+        )
     if "onnxruntime" in results:
-        scale = float(np.abs(reference).max()) or 1.0
-        checks["onnxruntime"] = bool(np.abs(results["onnxruntime"] - reference).max() / scale <= 1e-3)
-    report = {
-        "artifact": str(opts.artifact),
+        checks["onnxruntime"] = within("onnxruntime", 1e-3)
+    for method in ("serve-native", "serve-torch"):
+        if method in results:
+            checks[method] = within(method, 1e-4)
+    return {
+        "artifact": str(artifact),
         "dims": sizes,
         "rounds": opts.rounds,
         "methods": {
@@ -180,17 +299,45 @@ def main(argv: list[str] | None = None) -> None:
                     "max": max(r["rss_mb"] for r in rs),
                 },
                 "correct": checks.get(m, True),
+                "bit_identical": bool(np.array_equal(results[m], reference)),
             }
             for m, rs in runs.items()
         },
         "skipped": skipped,
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # METHOD ARTIFACT CASE OUT ONNX-or-empty: one cold start
+        child(*argv[1:5], argv[5] or None)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="+", metavar="ARTIFACT[=ONNX]", help="an artifact, and the same model as ONNX")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--dims", default="", help="dim sizes of the call, e.g. batch=4,seq=77 (each model takes its own)"
+    )
+    parser.add_argument("--no-server", action="store_true", help="skip the servers' cold starts")
+    parser.add_argument("-o", "--output", type=Path, help="write the figures as JSON here too")
+    opts = parser.parse_args(argv)
+    dims = {k: int(v) for k, v in (item.split("=", 1) for item in opts.dims.split(",") if item)}
+    report = {"models": {}}
+    for model in opts.models:
+        artifact, _, onnx = model.partition("=")
+        from loader.artifact import read_manifest
+
+        name = read_manifest(Path(artifact)).name
+        report["models"][name] = measure(Path(artifact), onnx or None, opts, dims)
     text = json.dumps(report, indent=2)
     print(text)
     if opts.output:
         opts.output.write_text(text + "\n")
-    if not all(checks.values()):
-        raise SystemExit(f"wrong results: {', '.join(m for m, ok in checks.items() if not ok)}")
+    wrong = [
+        f"{name}: {m}" for name, r in report["models"].items() for m, f in r["methods"].items() if not f["correct"]
+    ]
+    if wrong:
+        raise SystemExit(f"wrong results: {', '.join(wrong)}")
 
 
 if __name__ == "__main__":

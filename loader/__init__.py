@@ -8,8 +8,10 @@
     logits = model(ids_array, mask_array)
 
 This package imports torch, the standard library and nothing of the build side; it never compiles.
-``import loader`` itself imports neither torch nor numpy: the names that need torch (``load``,
-``CompiledModel``, batching, hot swap) import it when first used, and ``load_native`` only numpy.
+``import loader`` itself imports neither torch nor numpy: ``load`` and ``CompiledModel`` import torch
+when first used, ``load_native`` only numpy; batching and hot swap (``Batcher``, ``Live``) serve either
+loader's models and import torch only to load with ``load`` (``Live(path, load=loader.load_native)``
+never does).
 Reading a pack imports ``zstandard`` and checking a signature ``cryptography``, each only then.
 
 Imported before torch, it sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment says otherwise

@@ -50,13 +50,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .batch_plan import BatchPlan, Placement, aim, batch_plan, place
 from .batch_tensors import NotBatched, join_inputs, split_outputs
+from .dispatch import ServedModel
 from .errors import LoaderError
 from .live import Live, Serving
-from .model import CompiledModel
 
 # Upper bounds (ms) of the queue-wait histogram's buckets; the last bucket is everything above.
 WAIT_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
@@ -72,8 +70,8 @@ class BatcherClosed(LoaderError):
 
 @dataclass
 class _Call:
-    model: CompiledModel  # the version whose guards passed the call
-    tensors: list[torch.Tensor]
+    model: ServedModel  # the version whose guards passed the call
+    tensors: list[Any]  # of the model's kind: torch tensors, or numpy arrays for the torch-free loader
     spot: Placement  # its batch-mates' key, rows and limits
     plan: BatchPlan
     future: Future
@@ -91,7 +89,9 @@ class _Call:
 
 
 class Batcher:
-    """Batch concurrent calls to a ``CompiledModel`` or a ``Live`` holder; see the module docstring.
+    """Batch concurrent calls to a loaded model or a ``Live`` holder; see the module docstring. The
+    model may be either loader's (``loader.load``: torch tensors; ``loader.load_native``: numpy arrays):
+    batches are joined and cut with its own array operations (``model.ops``).
 
     - ``max_batch``: most rows one batch holds (default: the largest batch any variant serves).
     - ``max_delay_ms``: longest a call waits for company before its batch runs. A call alone in the
@@ -111,7 +111,7 @@ class Batcher:
 
     def __init__(
         self,
-        target: CompiledModel | Live,
+        target: ServedModel | Live,
         *,
         max_batch: int | None = None,
         max_delay_ms: float = 2.0,
@@ -133,7 +133,7 @@ class Batcher:
         self._last_batch_calls = 0  # how many calls the latest batch held: 0 or 1, nobody waits for company
         self._cond = threading.Condition()
         self._closed = False
-        self._plans: dict[int, tuple[CompiledModel, BatchPlan]] = {}
+        self._plans: dict[int, tuple[ServedModel, BatchPlan]] = {}
         self._stats_lock = threading.Lock()
         self.reset_stats()
         self._worker = threading.Thread(target=self._loop, name="precompile-batcher", daemon=True)
@@ -171,7 +171,7 @@ class Batcher:
             self._request_shapes[shape] = self._request_shapes.get(shape, 0) + 1
         return future
 
-    def _plan(self, model: CompiledModel) -> BatchPlan:
+    def _plan(self, model: ServedModel) -> BatchPlan:
         entry = self._plans.get(id(model))
         if entry is None or entry[0] is not model:  # the model is held, so its id is not reused meanwhile
             entry = (model, batch_plan(model))
@@ -242,10 +242,11 @@ class Batcher:
             self._count_batch(batch, rows, size, grown)
             return
         try:
-            inputs = join_inputs(plan, [c.tensors for c in batch], pads=target, rows=rows, size=size)
+            ops = head.model.ops
+            inputs = join_inputs(ops, plan, [c.tensors for c in batch], pads=target, rows=rows, size=size)
             outputs, variant, serving = self._call(inputs)
             shares = [(c.rows, c.spot.pads) for c in batch]
-            pieces = split_outputs(plan, head.model.manifest.output, outputs, shares, size=size)
+            pieces = split_outputs(ops, plan, head.model.manifest.output, outputs, shares, size=size)
         except NotBatched as e:
             self._plans = {id(head.model): (head.model, BatchPlan(None, str(e)))}
             for call in batch:
@@ -267,7 +268,7 @@ class Batcher:
         except Exception as e:  # noqa: BLE001: the caller gets it
             call.future.set_exception(e)
 
-    def _call(self, inputs: list[torch.Tensor]) -> tuple[Any, str, Serving | None]:
+    def _call(self, inputs: list[Any]) -> tuple[Any, str, Serving | None]:
         if isinstance(self.target, Live):
             return self.target.call_detailed(*inputs)
         outputs, variant = self.target.call_detailed(*inputs)

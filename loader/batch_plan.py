@@ -11,13 +11,11 @@ docstring of ``loader.batch``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .dispatch import ServedModel
     from .manifest import Variant
-    from .model import CompiledModel
 
 BATCH_DIM = "batch"  # the batch dim of artifacts without a ``batching`` section
 PadTimes = dict[tuple, dict[int, tuple[float, float]]]  # other dims' sizes -> batch size -> (static_ms, dynamic_ms)
@@ -62,7 +60,7 @@ class Placement:
     reach: tuple = ()
 
 
-def batch_plan(model: CompiledModel) -> BatchPlan:
+def batch_plan(model: ServedModel) -> BatchPlan:
     """Find ``model``'s batch dim, padded dims and static sizes (see ``loader.batch``)."""
     m = model.manifest
     section = m.batching
@@ -94,7 +92,7 @@ def batch_plan(model: CompiledModel) -> BatchPlan:
     )
 
 
-def _why_unbatched(model: CompiledModel, dim: str) -> str:
+def _why_unbatched(model: ServedModel, dim: str) -> str:
     """Why an artifact without a ``batching`` section cannot batch on ``dim`` ("" when it can): the
     dim must be axis 0, alone, of every input and every output the manifest describes."""
     m = model.manifest
@@ -109,7 +107,7 @@ def _why_unbatched(model: CompiledModel, dim: str) -> str:
     return ""
 
 
-def _static_sizes(model: CompiledModel, dim: str, others: tuple[str, ...]) -> dict[tuple, list[int]]:
+def _static_sizes(model: ServedModel, dim: str, others: tuple[str, ...]) -> dict[tuple, list[int]]:
     """Per shape of the other dims, the batch sizes static variants serve, smallest first."""
     statics: dict[tuple, list[int]] = {}
     for v in model.variants:
@@ -120,7 +118,7 @@ def _static_sizes(model: CompiledModel, dim: str, others: tuple[str, ...]) -> di
     return statics
 
 
-def _measured_pads(model: CompiledModel, dim: str, others: tuple[str, ...]) -> PadTimes:
+def _measured_pads(model: ServedModel, dim: str, others: tuple[str, ...]) -> PadTimes:
     """Per shape of the other dims, per static batch size the build measured and kept, its
     ``(static_ms, dynamic_ms)``: the shapes padding may aim at (``check.measure`` of the manifest)."""
     measured = {entry.variant: entry for entry in model.manifest.check.measure if entry.kept}
@@ -139,8 +137,8 @@ def _axes(shape: tuple, dim: str) -> tuple[int, ...]:
 
 def place(
     plan: BatchPlan,
-    model: CompiledModel,
-    tensors: list[torch.Tensor],
+    model: ServedModel,
+    tensors: list[Any],
     sizes: dict[str, int],
     variant: Variant | None,
     *,
@@ -162,7 +160,7 @@ def place(
     return Placement(key, rows, limit, other_sizes, pads, reach)
 
 
-def shape_key(plan: BatchPlan, tensors: list[torch.Tensor]) -> tuple:
+def shape_key(plan: BatchPlan, tensors: list[Any]) -> tuple:
     """What calls batched together share: each input's dtype and sizes, but for its batch axis
     and the axes of padded dims."""
     free: list[set[int]] = [set() for _ in tensors]
@@ -175,7 +173,7 @@ def shape_key(plan: BatchPlan, tensors: list[torch.Tensor]) -> tuple:
     )
 
 
-def max_rows(plan: BatchPlan, model: CompiledModel, sizes: dict[str, int], *, max_batch: int | None) -> int:
+def max_rows(plan: BatchPlan, model: ServedModel, sizes: dict[str, int], *, max_batch: int | None) -> int:
     """The most rows a batch of this shape may hold: ``max_batch``, within the variants' reach."""
     reach = max(
         (
@@ -188,7 +186,7 @@ def max_rows(plan: BatchPlan, model: CompiledModel, sizes: dict[str, int], *, ma
     return max(1, min(reach, max_batch or reach))
 
 
-def _reach(plan: BatchPlan, model: CompiledModel, sizes: dict[str, int], pads: tuple, limit: int) -> tuple[tuple, int]:
+def _reach(plan: BatchPlan, model: ServedModel, sizes: dict[str, int], pads: tuple, limit: int) -> tuple[tuple, int]:
     """Per padded dim, the sizes a batch this call starts may gather (the range of the tightest
     dynamic variant holding the call, so the padded batch stays on compiled code made for such
     sizes), and its row limit there; a call no dynamic variant holds batches with equal sizes."""

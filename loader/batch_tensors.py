@@ -1,9 +1,11 @@
-"""The tensor work of a batch: join the calls' inputs into one batch, split its outputs back per
-call. Pure functions of tensors and a ``BatchPlan``; ``loader.Batcher`` calls them from its worker
-thread (the rules are in the module docstring of ``loader.batch``).
+"""The array work of a batch: join the calls' inputs into one batch, split its outputs back per
+call. Pure functions of arrays and a ``BatchPlan``; ``loader.Batcher`` calls them from its worker
+thread (the rules are in the module docstring of ``loader.batch``). The arrays are the model's own
+kind (torch tensors, numpy arrays), worked on through its ``ArrayOps`` (``model.ops``), so this
+module imports neither torch nor numpy.
 
-    inputs = join_inputs(plan, [call.tensors for call in batch], pads=target, rows=rows, size=size)
-    pieces = split_outputs(plan, spec, outputs, [(call.rows, call.pads) for call in batch], size=size)
+    inputs = join_inputs(ops, plan, [call.tensors for call in batch], pads=target, rows=rows, size=size)
+    pieces = split_outputs(ops, plan, spec, outputs, [(call.rows, call.pads) for call in batch], size=size)
 """
 
 from __future__ import annotations
@@ -11,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from .batch_plan import BatchPlan
 from .manifest import OutputSpec
 from .outputs import flatten, unflatten
+from .policy import ArrayOps
 
 
 class NotBatched(Exception):
@@ -23,8 +24,8 @@ class NotBatched(Exception):
 
 
 def join_inputs(
-    plan: BatchPlan, calls: Sequence[Sequence[torch.Tensor]], *, pads: Sequence[int], rows: int, size: int
-) -> list[torch.Tensor]:
+    ops: ArrayOps, plan: BatchPlan, calls: Sequence[Sequence[Any]], *, pads: Sequence[int], rows: int, size: int
+) -> list[Any]:
     """Per input, the calls' tensors grown to ``pads`` (per padded dim, the batch's size) with the
     input's pad value and concatenated along its batch axis; ``size - rows`` padding rows repeat the
     last row, so they pass the same value guards."""
@@ -33,47 +34,45 @@ def join_inputs(
         axis = plan.input_axis(i)
         parts = [tensors[i] for tensors in calls]
         for j, n in enumerate(pads):
-            parts = [grow(t, plan.pad_inputs[j][i], n, plan.pad_values[i]) for t in parts]
+            parts = [grow(ops, t, plan.pad_inputs[j][i], n, plan.pad_values[i]) for t in parts]
         if size > rows:
-            last = parts[-1].narrow(axis, parts[-1].shape[axis] - 1, 1)
-            shape = list(last.shape)
-            shape[axis] = size - rows
-            parts.append(last.expand(shape))
-        inputs.append(torch.cat(parts, dim=axis))
+            last = ops.narrow(parts[-1], axis, parts[-1].shape[axis] - 1, 1)
+            parts.extend([last] * (size - rows))
+        inputs.append(ops.cat(parts, axis))
     return inputs
 
 
-def grow(t: torch.Tensor, axes: tuple[int, ...], size: int, value: float) -> torch.Tensor:
+def grow(ops: ArrayOps, t: Any, axes: tuple[int, ...], size: int, value: float) -> Any:
     """``t`` grown to ``size`` along each of ``axes``, the new entries filled with ``value``."""
     for axis in axes:
         missing = size - t.shape[axis]
         if missing > 0:
             shape = list(t.shape)
             shape[axis] = missing
-            t = torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=axis)
+            t = ops.cat([t, ops.fill(t, shape, value)], axis)
     return t
 
 
 def split_outputs(
-    plan: BatchPlan, spec: OutputSpec, outputs: Any, shares: Sequence[tuple[int, tuple]], *, size: int
+    ops: ArrayOps, plan: BatchPlan, spec: OutputSpec, outputs: Any, shares: Sequence[tuple[int, tuple]], *, size: int
 ) -> list[Any]:
     """Per call (``shares``: its rows and its padded dims' sizes, in batch order), its rows of every
     output along the output's batch axis (the padding rows, up to ``size``, left out), every axis
     following a padded dim cut back to the call's own size, in forward()'s structure (``spec``).
     Raises ``NotBatched`` when an output's batch axis is not ``size`` long."""
-    per_call: list[list[torch.Tensor]] = [[] for _ in shares]
+    per_call: list[list[Any]] = [[] for _ in shares]
     for k, t in enumerate(flatten(outputs)):
         axis = plan.output_axis(k)
-        if t.dim() <= axis or t.shape[axis] != size:
+        if t.ndim <= axis or t.shape[axis] != size:
             raise NotBatched(
                 f"an output of shape {tuple(t.shape)} for a batch of {size}: its axis {axis} does not follow the batch"
             )
         start = 0
         for c, (rows, pads) in enumerate(shares):
-            piece = t.narrow(axis, start, rows)
+            piece = ops.narrow(t, axis, start, rows)
             for j, n in enumerate(pads):
                 for a in plan.pad_outputs[j][k]:
-                    piece = piece.narrow(a, 0, n)
+                    piece = ops.narrow(piece, a, 0, n)
             per_call[c].append(piece)
             start += rows
     return [unflatten(spec, pieces) for pieces in per_call]

@@ -52,6 +52,7 @@ class ServedModel:
         self.precision = precision  # the precisions served, preferred first, and why others are not
         self.variant_precision = {v.id: v.precision for v in self._variants}
         self._guard = guard
+        self.ops = ops  # the array operations of this model's kind (policies, loader.Batcher)
         self._policies = Policies(manifest, ops) if any(p != "error" for p in manifest.policy.values()) else None
         self._dim_order = tuple(manifest.dims)
         self._index_tables()

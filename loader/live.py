@@ -5,6 +5,7 @@
     live.swap("artifacts/text-classifier-v4")     # load + warm up aside, then swap in atomically
     live.watch(interval=2.0)                      # or follow "artifacts/current" as deploys replace it
     loader.Live("s3://releases/models/text-classifier/current").watch()   # a pointer object in a store
+    loader.Live("artifacts/current", load=loader.load_native)   # the torch-free loader: numpy arrays
 
 A swap loads the new artifact and warms up every variant while the old one goes on serving, checks
 it can stand in for the old one (same name, inputs and output structure; not an older version unless
@@ -32,9 +33,9 @@ from typing import Any
 from . import constants as C
 from . import remote
 from .artifact import read_manifest
+from .dispatch import ServedModel
 from .errors import LoaderError
 from .manifest import Manifest
-from .model import CompiledModel, load
 from .pack import read_head
 from .traffic import Histogram, add_histograms, histogram_of
 
@@ -72,7 +73,7 @@ class _InFlight:
 class Serving:
     """One loaded version: the model and where and when it came from."""
 
-    model: CompiledModel
+    model: ServedModel  # a CompiledModel (loader.load) or a NativeModel (loader.load_native)
     path: Path | str  # the artifact folder or pack (a URL for a remote one), after following a pointer
     digest: str  # of the manifest bytes as read, what a signature covers (names the files too)
     loaded_at: float  # time.time() when it was swapped in
@@ -201,10 +202,12 @@ class Live:
         *,
         warmup: bool = True,
         allow_rollback: bool = False,
-        check: Callable[[CompiledModel], None] | None = None,
+        check: Callable[[ServedModel], None] | None = None,
+        load: Callable[..., ServedModel] | None = None,
         **load_options: Any,
     ):
         self.source = _source(path) if path is not None else None
+        self.load = load
         self.warmup = warmup
         self.allow_rollback = allow_rollback
         self.check = check
@@ -238,7 +241,7 @@ class Live:
         return self._serving
 
     @property
-    def model(self) -> CompiledModel:
+    def model(self) -> ServedModel:
         """The current model. Read it once per call (see the module docstring)."""
         return self.serving.model
 
@@ -305,7 +308,7 @@ class Live:
                 else:
                     resolved = resolve_pointer(requested)
                 start = time.perf_counter()
-                model = load(resolved, warmup=False, **self.load_options)  # warmed below: a SwapError if it fails
+                model = self._load()(resolved, warmup=False, **self.load_options)  # warmed below: SwapError if it fails
                 version = model.manifest.version
                 digest = model.digest
                 self._refuse_mismatch(
@@ -353,6 +356,13 @@ class Live:
         threading.Thread(target=run, name="live-swap", daemon=True).start()
         return future
 
+    def _load(self) -> Callable[..., ServedModel]:
+        if self.load is None:
+            from .model import load  # torch: only a holder that serves through it imports it
+
+            self.load = load
+        return self.load
+
     def on_attempt(self, listener: Callable[[SwapAttempt], None]) -> None:
         """Call ``listener(attempt)`` after every swap attempt, refused ones too (in the swapping thread)."""
         self._listeners.append(listener)
@@ -362,7 +372,7 @@ class Live:
         for listener in list(self._listeners):
             listener(attempt)
 
-    def _refuse_mismatch(self, model: CompiledModel, *, rollback_ok: bool) -> None:
+    def _refuse_mismatch(self, model: ServedModel, *, rollback_ok: bool) -> None:
         old = self._serving
         if old is None:
             return

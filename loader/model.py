@@ -38,7 +38,7 @@ TORCH_OPS = ArrayOps(
     cat=lambda tensors, axis: torch.cat(tensors, dim=axis),
     fill=lambda like, shape, value: torch.full(shape, value, dtype=like.dtype, device=like.device),
     take=_take,
-    cut=lambda t, axis, size: t.narrow(axis, 0, size),
+    narrow=lambda t, axis, start, size: t.narrow(axis, start, size),
 )
 
 

@@ -9,7 +9,8 @@ artifacts' out-of-range calls (and the build refuses such profiles: ``split_prob
 themselves only through the output axes the profile declared (``output_dims`` in the manifest).
 
 The decisions are shape arithmetic; the few array operations they need (``ArrayOps``) come from the
-caller, so the torch loader and the torch-free one (numpy arrays) serve a policy alike.
+caller, so the torch loader and the torch-free one (numpy arrays) serve a policy alike (and batch
+alike: ``loader.batch_tensors`` joins and cuts with the same operations).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class ArrayOps:
     cat: Callable[[list, int], Any]  # (arrays, axis) -> one array
     fill: Callable[[Any, list[int], float], Any]  # (like, shape, value) -> a new array of like's dtype
     take: Callable[[Any, int, int, int], Any]  # (array, axis, start, size) -> a contiguous copy of that slice
-    cut: Callable[[Any, int, int], Any]  # (array, axis, size) -> a view of its first size entries
+    narrow: Callable[[Any, int, int, int], Any]  # (array, axis, start, size) -> a view of that slice
 
 
 def split_sizes(size: int, lo: int, hi: int) -> list[int] | None:
@@ -195,6 +196,6 @@ class Policies:
         cut = []
         for o, axes in zip(outputs, self.output_axes[d]):
             for axis in axes:
-                o = ops.cut(o, axis, n)
+                o = ops.narrow(o, axis, 0, n)
             cut.append(o)
         return cut, ids

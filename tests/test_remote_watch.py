@@ -139,7 +139,8 @@ def test_serve_watch_follows_a_remote_pointer(published):
 
     from .test_serve import AppClient
 
-    assert _preflight(POINTER, None, ()).version == 1  # the CLI's checks before the server starts
+    manifest, runtime = _preflight(POINTER, None, (), "auto")  # the CLI's checks before the server starts
+    assert manifest.version == 1 and runtime == "native"  # a CPU artifact: served without torch
     config = ServeConfig(POINTER, watch=True, watch_interval=0.05)
     with AppClient(create_app(config)) as client:
         assert wait_for(lambda: client.get("/readyz").status_code == 200)

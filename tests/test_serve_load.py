@@ -210,6 +210,8 @@ def test_the_command_follows_deploys_under_load_and_records_the_traffic(classifi
         "precompile",
         "serve",
         str(current),
+        "--runtime",
+        "torch",  # the re-exec checked below is the torch runtime's (the native one never imports torch)
         "--port",
         str(port),
         "--watch",

@@ -8,6 +8,6 @@ process that never imports torch (its shared libraries run the compiled code).
 Same checks, guards, dispatch, policies and stats as ``loader.load``; see ``loader.native.model``.
 """
 
-from .model import NativeModel, load_native
+from .model import NativeModel, load_native, manifest_problem
 
-__all__ = ["NativeModel", "load_native"]
+__all__ = ["NativeModel", "load_native", "manifest_problem"]

@@ -140,7 +140,7 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
     global _runtime
     allowance = cpu_allowance()
     with _runtime_lock:
-        running = _openmp_library()
+        running = openmp_library()
         if running is None:
             count = threads if threads is not None else default_threads(allowance)
             os.environ.update(openmp_env(count))
@@ -162,7 +162,7 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
     return _runtime
 
 
-def _openmp_library(maps: str | os.PathLike = "/proc/self/maps") -> str | None:
+def openmp_library(maps: str | os.PathLike = "/proc/self/maps") -> str | None:
     """The path of the OpenMP runtime (libgomp) this process has loaded already, or None."""
     try:
         text = Path(maps).read_text(encoding="utf-8", errors="replace")

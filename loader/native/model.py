@@ -154,6 +154,25 @@ def load_native(
     return model
 
 
+def manifest_problem(manifest: Manifest) -> str | None:
+    """Why ``load_native`` cannot serve this artifact, as far as its manifest says, or None: no CPU
+    variants, an input numpy has no dtype for, or a CPU variant the build recorded as needing torch
+    (``Variant.needs_torch``) or computing in such a dtype. For a choice made before loading
+    (``precompile serve --runtime auto``); the load checks each package again."""
+    cpu = [v for v in manifest.variants if v.device == "cpu"]
+    if manifest.target.device != "cpu" or not cpu:
+        return f"it is built for {manifest.target.device}; the torch-free loader runs CPU variants only"
+    for spec in manifest.inputs:
+        if spec.dtype not in NUMPY_DTYPES:
+            return f"input {spec.name!r} is {spec.dtype}, which numpy has no dtype for"
+    for v in cpu:
+        if v.needs_torch:
+            return f"variant {v.id!r} cannot run without torch: {v.needs_torch}"
+        if v.dtype is not None and v.dtype not in NUMPY_DTYPES:
+            return f"variant {v.id!r} computes in {v.dtype}, which numpy cannot cast to"
+    return None
+
+
 def _choose(
     root: Path, manifest: Manifest, precision: str, features: frozenset[str], isa: IsaChoice = IsaChoice()
 ) -> tuple[Choice, list[Variant]]:

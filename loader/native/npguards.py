@@ -85,5 +85,5 @@ NUMPY_OPS = ArrayOps(
     cat=lambda arrays, axis: np.concatenate(arrays, axis=axis),
     fill=lambda like, shape, value: np.full(shape, value, dtype=like.dtype),
     take=lambda a, axis, start, size: np.ascontiguousarray(a[_index(axis, start, size)]),
-    cut=lambda a, axis, size: a[_index(axis, 0, size)],
+    narrow=lambda a, axis, start, size: a[_index(axis, start, size)],
 )

@@ -147,6 +147,17 @@ if TYPE_CHECKING:
     show_default=True,
     help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.",
 )
+@click.option(
+    "--runtime",
+    type=click.Choice(["auto", "native", "torch"]),
+    default="auto",
+    show_default=True,
+    help=(
+        "What runs the compiled code: native (loader.load_native: CPU variants through their C interface, torch's "
+        "libraries but never `import torch`: a faster start, less memory), torch (loader.load), or auto (native "
+        "when the manifest records every CPU variant as runnable without torch, else torch)."
+    ),
+)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")
 @click.option(
     "--log-level",
@@ -181,6 +192,7 @@ def serve(
     max_delay_ms: float,
     max_queue: int,
     precision: str,
+    runtime: str,
     no_verify: bool,
     log_level: str,
 ) -> None:
@@ -240,11 +252,13 @@ def serve(
     from ..serve.server import run
     from ..serve.workers import PortTaken
 
-    if repository:
+    if repository:  # the runtime: torch unless --runtime native (a model it cannot serve is UNAVAILABLE)
         _check_keys(trusted_keys)
         limit = max_body_bytes or repository_body_limit(artifact)
+        runtime = "native" if runtime == "native" else "torch"
     else:
-        limit = max_body_bytes or body_limit(_preflight(artifact, record, trusted_keys))
+        manifest, runtime = _preflight(artifact, record, trusted_keys, runtime)
+        limit = max_body_bytes or body_limit(manifest)
     config = ServeConfig(
         artifact=str(artifact),
         repository=repository,
@@ -270,6 +284,7 @@ def serve(
         instances=instances,
         queue_size=queue_size,
         grpc_port=grpc_port or None,
+        runtime=runtime,
     )
     if grpc_port:
         _check_port(host, grpc_port, "--grpc-port")
@@ -337,15 +352,28 @@ def _given(name: str) -> bool:
     return source is not None and source is not click.core.ParameterSource.DEFAULT
 
 
-def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]) -> Manifest:
-    """Refuse at once what would only fail later in the background: no artifact, one for another host,
-    a key that is not one, an unreadable traffic file. Returns the artifact's manifest."""
+def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...], runtime: str) -> tuple[Manifest, str]:
+    """Refuse at once what would only fail later in the background: no artifact, one for another host
+    or that the runtime asked for cannot run, a key that is not one, an unreadable traffic file.
+    Returns the artifact's manifest and the runtime to serve it with (``auto`` decided)."""
     from loader.host import check_compatible
     from loader.live import read_served_manifest
     from loader.traffic import expand_path, read_histogram
 
     manifest = read_served_manifest(artifact)
-    check_compatible(manifest, manifest.target.device)
+    host = None  # the torch loader's facts (torch imported)
+    if runtime != "torch":
+        from loader.native import manifest_problem
+        from loader.native.libs import find_torch, host_facts
+
+        problem = manifest_problem(manifest)
+        if problem is not None and runtime == "native":
+            raise click.ClickException(f"--runtime native: {artifact}: {problem}; serve it with --runtime torch")
+        if problem is None:
+            runtime, host = "native", host_facts(find_torch())  # gathered without importing torch
+        else:
+            runtime = "torch"
+    check_compatible(manifest, manifest.target.device, host)
     _check_keys(trusted_keys)
     if record:
         path = expand_path(record)
@@ -353,7 +381,7 @@ def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]
             raise click.ClickException(f"--record {record}: folder {path.parent} does not exist")
         if path.exists():
             read_histogram(path)  # it will be added to: it must be a traffic file
-    return manifest
+    return manifest, runtime
 
 
 def _check_keys(trusted_keys: tuple[Path, ...]) -> None:

@@ -1,7 +1,7 @@
 """``precompile serve``: an HTTP service on the loader (FastAPI under uvicorn, the ``serve`` extra).
 
     config.py   ServeConfig: what one server process needs to know
-    codec.py    JSON request bodies to tensors, outputs back to JSON; the request schema and body limit
+    codec.py    request bodies to arrays (numpy or torch, per --runtime) and outputs back; schema, body limit
     errors.py   the exception policy: which exceptions are the client's (4xx), which the server's (5xx)
     limits.py   the body size limit, in front of every endpoint
     reload.py   what POST /v1/reload may ask for and which paths it may load

@@ -44,13 +44,15 @@ class ServeConfig:
     grpc_port: int | None = None  # the Open Inference Protocol's gRPC service (grpc_service.py); None: off
     host: str = "127.0.0.1"  # the address the gRPC service listens on (uvicorn binds HTTP's itself)
     workers: int = 1  # server processes; more than one share the ports through SO_REUSEPORT (workers.py)
+    runtime: str = "torch"  # torch: loader.load; native: loader.load_native, torch never imported
 
     def batcher_options(self) -> dict:
         """The keyword arguments ``loader.Batcher`` gets, with ``batch`` on."""
         return {"max_batch": self.max_batch, "max_delay_ms": self.max_delay_ms, "max_queue": self.max_queue}
 
     def load_options(self) -> dict:
-        """The keyword arguments ``loader.load`` gets for every version this server loads."""
+        """The keyword arguments ``loader.load`` (or ``loader.load_native``) gets for every version
+        this server loads."""
         return {
             "verify": self.verify,
             "trusted_keys": list(self.trusted_keys) or None,

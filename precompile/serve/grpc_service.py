@@ -32,9 +32,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 import grpc
-import torch
 
-from loader.guards import TORCH_DTYPES
 from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
@@ -42,10 +40,10 @@ from loader.outputs import flatten, output_names
 from ..version import __version__
 from . import predict_v2_pb2 as pb
 from . import repository
-from .codec import MAX_RANK, check_finite
+from .codec import ITEM_BYTES, MAX_RANK, Codec
 from .config import ServeConfig
 from .errors import Code, Refused, internal, refusal
-from .oip import _TORCH_TO_DATATYPE, DATATYPES, MAX_SIZE, _binary_tensor, _little_endian_bytes, _metadata, _serving
+from .oip import DATATYPES, MAX_SIZE, _metadata, _serving
 from .service import Service, count_refusal
 
 log = logging.getLogger("precompile.serve")
@@ -68,12 +66,10 @@ class Models(Protocol):
     def metadata(self, found: Found) -> dict[str, Any]:
         """The Open Inference Protocol's model metadata (name, versions, platform, inputs, outputs)."""
 
-    async def call(self, found: Found, inputs: dict[str, torch.Tensor]) -> tuple[Any, str, Serving]:
+    async def call(self, found: Found, inputs: dict[str, Any]) -> tuple[Any, str, Serving]:
         """Run one call: outputs, the variant that ran, the version that answered."""
 
-    def count(
-        self, found: Found, serving: Serving, variant: str, inputs: dict[str, torch.Tensor], start: float
-    ) -> None:
+    def count(self, found: Found, serving: Serving, variant: str, inputs: dict[str, Any], start: float) -> None:
         """Count one ModelInfer that succeeded (started at ``start``, perf_counter) in the server's metrics."""
 
     def count_refused(self, found: Found | None, refused: Refused) -> None:
@@ -94,14 +90,12 @@ class ServedModels:
         return _serving(self.models, name, version or None)
 
     def metadata(self, found: Found) -> dict[str, Any]:
-        return _metadata(found[1])
+        return _metadata(found[1], found[0].codec)
 
-    async def call(self, found: Found, inputs: dict[str, torch.Tensor]) -> tuple[Any, str, Serving]:
+    async def call(self, found: Found, inputs: dict[str, Any]) -> tuple[Any, str, Serving]:
         return await found[0].call(inputs, None)
 
-    def count(
-        self, found: Found, serving: Serving, variant: str, inputs: dict[str, torch.Tensor], start: float
-    ) -> None:
+    def count(self, found: Found, serving: Serving, variant: str, inputs: dict[str, Any], start: float) -> None:
         found[0].count_served(serving, variant, inputs, start, grpc=True)
 
     def count_refused(self, found: Found | None, refused: Refused) -> None:
@@ -131,9 +125,10 @@ _CONTENTS = {
 }
 
 
-def decode_inputs(request: pb.ModelInferRequest, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """The request's tensors by input name; a refusal (INVALID_ARGUMENT) says what is wrong. Names
-    missing, shapes and ranges beyond the datatype are left to the loader's guards, as over HTTP."""
+def decode_inputs(request: pb.ModelInferRequest, manifest: Manifest, codec: Codec) -> dict[str, Any]:
+    """The request's arrays (``codec``'s: numpy or torch) by input name; a refusal (INVALID_ARGUMENT)
+    says what is wrong. Values meet the codec's rules, as over HTTP; names missing, shapes and ranges
+    beyond the datatype are left to the loader's guards."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise _invalid(
@@ -141,7 +136,7 @@ def decode_inputs(request: pb.ModelInferRequest, manifest: Manifest) -> dict[str
             "in order, or none and each input's contents"
         )
     specs = {spec.name: spec for spec in manifest.inputs}
-    inputs: dict[str, torch.Tensor] = {}
+    inputs: dict[str, Any] = {}
     for i, item in enumerate(request.inputs):
         name = item.name
         spec = specs.get(name)
@@ -156,43 +151,28 @@ def decode_inputs(request: pb.ModelInferRequest, manifest: Manifest) -> dict[str
         if len(shape) > MAX_RANK or not all(0 <= s <= MAX_SIZE for s in shape):
             raise _invalid(f"input {name!r}: shape must be a list of at most {MAX_RANK} sizes in [0, {MAX_SIZE}]")
         count = math.prod(shape)
-        dtype = TORCH_DTYPES[spec.dtype]
         if raw:
-            size = len(raw[i])
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            size, itemsize = len(raw[i]), ITEM_BYTES[spec.dtype]
             if size != count * itemsize:
                 raise _invalid(
                     f"input {name!r}: raw_input_contents[{i}] holds {size} bytes, not {count} × {itemsize} "
                     f"for shape {shape}"
                 )
-            inputs[name], _ = _binary_tensor(name, raw[i], 0, size, shape, count, dtype)
+            inputs[name], _ = codec.binary(name, raw[i], 0, size, shape, count, spec.dtype)
         else:
-            inputs[name] = _typed_tensor(name, item.contents, shape, count, dtype, datatype)
+            field = _CONTENTS.get(datatype)
+            if field is None:
+                raise _invalid(f"input {name!r}: {datatype} values travel in raw_input_contents only")
+            values = list(getattr(item.contents, field))
+            if len(values) != count:
+                raise _invalid(f"input {name!r}: {len(values)} values in contents.{field} for shape {shape}")
+            inputs[name] = codec.sized(name, values, shape, count, spec.dtype)
     return inputs
 
 
-def _typed_tensor(
-    name: str, contents: pb.InferTensorContents, shape: list[int], count: int, dtype: torch.dtype, datatype: str
-) -> torch.Tensor:
-    field = _CONTENTS.get(datatype)
-    if field is None:
-        raise _invalid(f"input {name!r}: {datatype} values travel in raw_input_contents only")
-    values = getattr(contents, field)
-    if len(values) != count:
-        raise _invalid(f"input {name!r}: {len(values)} values in contents.{field} for shape {shape}")
-    if dtype.is_floating_point or dtype is torch.bool:
-        tensor = torch.tensor(list(values), dtype=dtype)
-        check_finite(name, tensor)
-    else:
-        wide = torch.tensor(list(values), dtype=torch.int64)
-        info = torch.iinfo(dtype)
-        if count and (int(wide.min()) < info.min or int(wide.max()) > info.max):
-            raise _invalid(f"input {name!r}: values must lie in [{info.min}, {info.max}] for {datatype}")
-        tensor = wide.to(dtype)
-    return tensor.reshape(shape)
-
-
-def encode_outputs(serving: Serving, outputs: Any, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+def encode_outputs(
+    serving: Serving, outputs: Any, request: pb.ModelInferRequest, codec: Codec
+) -> pb.ModelInferResponse:
     """The response: the requested outputs (all without a list) in ``raw_output_contents``."""
     named = dict(zip(output_names(serving.model.manifest.output), flatten(outputs)))
     wanted = [o.name for o in request.outputs] or list(named)
@@ -201,9 +181,9 @@ def encode_outputs(serving: Serving, outputs: Any, request: pb.ModelInferRequest
         raise _invalid(f"unknown output {unknown[0]!r} (outputs: {', '.join(named)})")
     response = pb.ModelInferResponse(model_name=serving.name, model_version=str(serving.version), id=request.id)
     for name in wanted:
-        t = named[name].detach().cpu().contiguous()
-        response.outputs.add(name=name, datatype=_TORCH_TO_DATATYPE[t.dtype], shape=list(t.shape))
-        response.raw_output_contents.append(_little_endian_bytes(t))
+        t = codec.host(named[name])
+        response.outputs.add(name=name, datatype=DATATYPES[codec.dtype_name(t)], shape=list(t.shape))
+        response.raw_output_contents.append(codec.little_endian_bytes(t))
     return response
 
 
@@ -263,16 +243,16 @@ class Servicer:
         async def work() -> pb.ModelInferResponse:
             nonlocal found
             found = self.models.find(request.model_name, request.model_version)
-            manifest = found[1].model.manifest
+            manifest, codec = found[1].model.manifest, found[0].codec
             # Raw contents are decoded and outputs encoded on the loop: each is a copy of bytes, cheaper
             # than the two hops to a thread and back, and calls that arrive together reach the batcher
             # together (with the hops, each ran alone). Typed contents walk Python lists: off the loop.
             if request.raw_input_contents or not request.inputs:
-                inputs = decode_inputs(request, manifest)
+                inputs = decode_inputs(request, manifest, codec)
             else:
-                inputs = await _off_loop(decode_inputs, request, manifest)
+                inputs = await _off_loop(decode_inputs, request, manifest, codec)
             outputs, variant, serving = await self.models.call(found, inputs)
-            response = encode_outputs(serving, outputs, request)
+            response = encode_outputs(serving, outputs, request, codec)
             self.models.count(found, serving, variant, inputs, start)
             return response
 

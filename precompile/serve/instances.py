@@ -4,9 +4,10 @@ team, with a bounded queue in front; a call beyond the queue is refused at once 
 Concurrent requests that all enter the compiled code together each start an OpenMP team on the same
 cores: the teams contend, every call slows down, and throughput falls as clients are added (see
 bench/results/serve_load.md). Triton Inference Server's answer is an instance count per model with a
-queue in front; this is the same. Each instance is a thread that calls ``torch.set_num_threads`` once
-for itself (OpenMP's thread count is a per-thread setting, and the compiled code is built with
-``cpp.dynamic_threads``, so it reads it at every call): the process's threads are split between the
+queue in front; this is the same. Each instance is a thread that sets its own OpenMP team size
+before its first call (``torch.set_num_threads``; on the torch-free path, libgomp's
+``omp_set_num_threads``, once the loader has opened it): OpenMP's thread count is a per-thread
+setting, and the compiled code is built with ``cpp.dynamic_threads``, so it reads it at every call: the process's threads are split between the
 instances rather than every call asking for all of them.
 
     instances = Instances(count=1, threads=2, queue_size=64)
@@ -18,12 +19,12 @@ instances rather than every call asking for all of them.
 from __future__ import annotations
 
 import collections
+import ctypes
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
-
-import torch
 
 from loader.threads import cpu_allowance, default_threads
 
@@ -115,7 +116,7 @@ class Instances:
             t.join()
 
     def _run(self) -> None:
-        torch.set_num_threads(self.threads_each)  # this thread's OpenMP team only
+        sized = False
         while True:
             with self._lock:
                 self._idle += 1
@@ -127,9 +128,28 @@ class Instances:
                 future, fn, kwargs = self._waiting.popleft()
             if not future.set_running_or_notify_cancel():
                 continue  # its client gave up while it waited
+            if not sized:  # this thread's OpenMP team only (the runtime is loaded by the first load)
+                sized = set_team_size(self.threads_each)
             try:
                 result = fn(**kwargs)
             except BaseException as e:  # noqa: BLE001: handed to the caller, whose policy answers it
                 future.set_exception(e)
             else:
                 future.set_result(result)
+
+
+def set_team_size(threads: int) -> bool:
+    """The calling thread's OpenMP team size: through torch where it is imported (which sets its own
+    intra-op count too), else straight in the OpenMP runtime the torch-free loader opened (a per-thread
+    setting). False when no OpenMP runtime is loaded yet (nothing set)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+        return True
+    from loader.native.libs import openmp_library
+
+    running = openmp_library()
+    if running is None:
+        return False
+    ctypes.CDLL(running).omp_set_num_threads(threads)
+    return True

@@ -27,22 +27,19 @@ name and sequence items by index (``output.0``, ``output.1``; ``logits``, ``extr
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import Any
 
-import torch
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from loader.guards import TORCH_DTYPES
 from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 
 from ..version import __version__
-from .codec import MAX_RANK, BodyError, check_finite, dumps, json_kind, parse_json, parse_object, to_tensor
+from .codec import MAX_RANK, BodyError, Codec, codec_for, dumps, json_kind, parse_json, parse_object
 from .errors import Code, Refused
 from .repository import Models, Repository
 from .service import Service
@@ -60,7 +57,6 @@ DATATYPES = {
     "float32": "FP32",
     "float64": "FP64",
 }
-_TORCH_TO_DATATYPE = {TORCH_DTYPES[name]: code for name, code in DATATYPES.items()}
 
 
 def _invalid(message: str) -> Refused:
@@ -99,7 +95,8 @@ def mount_oip(app: FastAPI, models: Models) -> None:
         version = request.path_params.get("version")
 
         def metadata() -> JSONResponse:
-            described = _metadata(_serving(models, name, version)[1])
+            service, serving = _serving(models, name, version)
+            described = _metadata(serving, service.codec)
             if version is None:
                 described["versions"] = models.versions(name)
             return JSONResponse(described)
@@ -186,9 +183,9 @@ async def _infer(models: Models, name: str, version: str | None, request: Reques
     service, serving = _serving(models, name, version)
     body = await request.body()
     header = request.headers.get(HEADER_LENGTH)
-    parsed = await run_in_threadpool(parse_infer_request, body, header, serving.model.manifest)
+    parsed = await run_in_threadpool(parse_infer_request, body, header, serving.model.manifest, service.codec)
     outputs, variant, serving = await service.call(parsed.inputs, request)
-    response = await run_in_threadpool(infer_response, serving, outputs, parsed)
+    response = await run_in_threadpool(infer_response, serving, outputs, parsed, service.codec)
     service.count_served(serving, variant, parsed.inputs, start)
     return response
 
@@ -207,7 +204,7 @@ def _serving(models: Models, name: str, version: str | None) -> tuple[Service, S
 # --- metadata --------------------------------------------------------------------------------
 
 
-def _metadata(serving: Serving) -> dict[str, Any]:
+def _metadata(serving: Serving, codec: Codec) -> dict[str, Any]:
     m = serving.model.manifest
     return {
         "name": serving.name,
@@ -217,7 +214,7 @@ def _metadata(serving: Serving) -> dict[str, Any]:
             {"name": spec.name, "datatype": DATATYPES[spec.dtype], "shape": [_dim_size(m, s) for s in spec.shape]}
             for spec in m.inputs
         ],
-        "outputs": _output_metadata(serving),
+        "outputs": _output_metadata(serving, codec),
     }
 
 
@@ -228,7 +225,7 @@ def _dim_size(m: Manifest, s: str | int | None) -> int:
     return r.min if r is not None and r.min == r.max else -1
 
 
-def _output_metadata(serving: Serving) -> list[dict[str, Any]]:
+def _output_metadata(serving: Serving, codec: Codec) -> list[dict[str, Any]]:
     """Names, datatypes and shapes of the outputs. The manifest does not record output dtypes, so
     one variant is run once on valid inputs at its hint shape (not counted in stats)."""
     model = serving.model
@@ -237,11 +234,11 @@ def _output_metadata(serving: Serving) -> list[dict[str, Any]]:
     sample = flatten(model.run_variant(variant.id, *model.example_inputs(variant)))
     described = []
     for i, (name, t) in enumerate(zip(output_names(m.output), sample)):
-        axes = m.output_dims[i] if m.output_dims is not None else (None,) * t.dim()
+        axes = m.output_dims[i] if m.output_dims is not None else (None,) * t.ndim
         shape = [n if d is None else _dim_size(m, d) for d, n in zip(axes, t.shape)]
         if m.output_dims is None and shape and "batch" in m.dims:
             shape[0] = -1  # unknown without the profile's outputs; axis 0 commonly follows the batch
-        described.append({"name": name, "datatype": _TORCH_TO_DATATYPE[t.dtype], "shape": shape})
+        described.append({"name": name, "datatype": DATATYPES[codec.dtype_name(t)], "shape": shape})
     return described
 
 
@@ -249,10 +246,10 @@ def _output_metadata(serving: Serving) -> list[dict[str, Any]]:
 
 
 class InferRequest:
-    """A decoded infer request: tensors by input name and how each output should be sent back."""
+    """A decoded infer request: arrays by input name and how each output should be sent back."""
 
     def __init__(
-        self, inputs: dict[str, torch.Tensor], request_id: str | None, wanted: dict[str, bool] | None, binary_all: bool
+        self, inputs: dict[str, Any], request_id: str | None, wanted: dict[str, bool] | None, binary_all: bool
     ):
         self.inputs = inputs
         self.id = request_id
@@ -260,9 +257,13 @@ class InferRequest:
         self.binary_all = binary_all
 
 
-def parse_infer_request(body: bytes, header_length: str | None, manifest: Manifest) -> InferRequest:
-    """Decode an infer request (JSON, or a JSON header then binary tensors); a refusal (400) says what
-    is wrong. Names, shapes and ranges beyond the datatype are left to the loader's guards."""
+def parse_infer_request(
+    body: bytes, header_length: str | None, manifest: Manifest, codec: Codec | None = None
+) -> InferRequest:
+    """Decode an infer request (JSON, or a JSON header then binary tensors) into ``codec``'s arrays
+    (default: torch tensors); a refusal (400) says what is wrong. Names, shapes and ranges beyond the
+    datatype are left to the loader's guards."""
+    codec = codec if codec is not None else codec_for("torch")
     binary = b""
     if header_length is not None:
         try:
@@ -281,7 +282,7 @@ def parse_infer_request(body: bytes, header_length: str | None, manifest: Manife
         raise _invalid(f"id: expected a string, got {json_kind(request_id)}")
     binary_all = _flag("parameters", _parameters("parameters", request), "binary_data_output", False)
     specs = {spec.name: spec for spec in manifest.inputs}
-    inputs: dict[str, torch.Tensor] = {}
+    inputs: dict[str, Any] = {}
     offset = 0
     for i, item in enumerate(request["inputs"]):
         where = f"inputs[{i}]"
@@ -303,13 +304,11 @@ def parse_infer_request(body: bytes, header_length: str | None, manifest: Manife
         ):
             raise _invalid(f"input {name!r}: shape must be a list of at most {MAX_RANK} sizes in [0, {MAX_SIZE}]")
         count = math.prod(shape)
-        dtype = TORCH_DTYPES[spec.dtype]
         size = _parameters(f"{where}.parameters", item).get("binary_data_size")
-        if size is not None:
-            tensor, offset = _binary_tensor(name, binary, offset, size, shape, count, dtype)
+        if size is not None:  # BodyError, as the codec refuses a value: 400, counted as invalid_body
+            inputs[name], offset = codec.binary(name, binary, offset, size, shape, count, spec.dtype)
         else:
-            tensor = _json_tensor(name, item.get("data"), shape, count, dtype)
-        inputs[name] = tensor
+            inputs[name] = codec.sized(name, item.get("data"), shape, count, spec.dtype)
     if offset != len(binary):
         raise _invalid(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
     return InferRequest(inputs, request_id, _wanted_outputs(request, binary_all), binary_all)
@@ -335,31 +334,6 @@ def _flag(where: str, parameters: dict[str, Any], key: str, default: bool) -> bo
     return value
 
 
-def _binary_tensor(name: str, binary: bytes, offset: int, size: Any, shape: list[int], count: int, dtype: torch.dtype):
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if type(size) is not int or size != count * itemsize:
-        raise _invalid(f"input {name!r}: binary_data_size {size!r} is not {count} × {itemsize} bytes for shape {shape}")
-    if offset + size > len(binary):
-        raise _invalid(f"input {name!r}: binary_data_size {size} runs past the end of the body")
-    raw = bytearray(binary[offset : offset + size])  # a copy: the tensor must own writable memory
-    tensor = torch.frombuffer(raw, dtype=dtype) if size else torch.empty(0, dtype=dtype)
-    if sys.byteorder != "little":  # the protocol's bytes are little-endian
-        tensor = tensor.view(torch.uint8).view(-1, itemsize).flip(1).contiguous().view(dtype).view(-1)
-    if dtype is torch.bool and not bool(((tensor.view(torch.uint8) == 0) | (tensor.view(torch.uint8) == 1)).all()):
-        raise _invalid(f"input {name!r}: BOOL bytes must be 0 or 1")
-    check_finite(name, tensor)  # the rule JSON values meet in to_tensor, so both routes refuse the same
-    return tensor.reshape(shape), offset + size
-
-
-def _json_tensor(name: str, data: Any, shape: list[int], count: int, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(data, list):
-        raise _invalid(f"input {name!r}: data must be a list (or use binary_data_size)")
-    tensor = to_tensor(name, data, dtype)
-    if tensor.numel() != count:
-        raise _invalid(f"input {name!r}: {tensor.numel()} values for shape {shape}")
-    return tensor.reshape(shape)
-
-
 def _wanted_outputs(request: dict[str, Any], binary_all: bool) -> dict[str, bool] | None:
     """Output name -> whether it is sent in binary; None: every output, as ``binary_all`` says."""
     outputs = request.get("outputs")
@@ -377,8 +351,9 @@ def _wanted_outputs(request: dict[str, Any], binary_all: bool) -> dict[str, bool
     }
 
 
-def infer_response(serving: Serving, outputs: Any, request: InferRequest) -> Response:
+def infer_response(serving: Serving, outputs: Any, request: InferRequest, codec: Codec | None = None) -> Response:
     """The infer response: JSON, or a JSON header followed by the binary outputs."""
+    codec = codec if codec is not None else codec_for("torch")
     spec = serving.model.manifest.output
     named = dict(zip(output_names(spec), flatten(outputs)))
     wanted = request.wanted if request.wanted is not None else {n: request.binary_all for n in named}
@@ -387,10 +362,10 @@ def infer_response(serving: Serving, outputs: Any, request: InferRequest) -> Res
         raise _invalid(f"unknown output {unknown[0]!r} (outputs: {', '.join(named)})")
     described, chunks = [], []
     for name, binary in wanted.items():
-        t = named[name].detach().cpu().contiguous()
-        entry: dict[str, Any] = {"name": name, "datatype": _TORCH_TO_DATATYPE[t.dtype], "shape": list(t.shape)}
+        t = codec.host(named[name])
+        entry: dict[str, Any] = {"name": name, "datatype": DATATYPES[codec.dtype_name(t)], "shape": list(t.shape)}
         if binary:
-            raw = _little_endian_bytes(t)
+            raw = codec.little_endian_bytes(t)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
@@ -412,10 +387,3 @@ def infer_response(serving: Serving, outputs: Any, request: InferRequest) -> Res
     return Response(
         header + b"".join(chunks), media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(header))}
     )
-
-
-def _little_endian_bytes(t: torch.Tensor) -> bytes:
-    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    if sys.byteorder != "little" and t.element_size() > 1:
-        raw = raw.view(-1, t.element_size()).flip(1).reshape(-1)
-    return raw.numpy().tobytes()

@@ -45,10 +45,17 @@ def reexec_with(env: dict[str, str]) -> None:
     """Replace this process by the same ``precompile serve`` command with ``env`` added: the OpenMP
     runtime reads its settings once, when torch is imported, which has happened here already.
     Returns (doing nothing) when there is nothing to add, when this is the re-executed server, or when
-    this process is not the precompile command itself (an embedding program, a test runner)."""
+    this process is not the precompile command itself (an embedding program, a test runner). Where no
+    OpenMP runtime is loaded yet (``--runtime native``: torch never imported), ``env`` is simply put
+    in the environment, read when the torch-free loader opens it."""
+    from loader.native.libs import openmp_library
+
     entry = os.path.basename(sys.argv[0]) if sys.argv else ""
     is_command = entry == "precompile" or sys.argv[0].endswith(os.path.join("precompile", "__main__.py"))
     if not env or os.environ.get(REEXEC_MARK) or not is_command:
+        return
+    if openmp_library() is None:
+        os.environ.update(env)
         return
     sys.stdout.flush()
     sys.stderr.flush()

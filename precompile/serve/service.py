@@ -20,10 +20,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+import loader
 from loader import Batcher, Live, LoaderError, TrafficRecorder
 from loader.live import Serving, SwapAttempt, read_served_manifest
 
-from .codec import MIN_BODY_BYTES, body_limit, dumps, parse_body, to_json, to_tensors
+from .codec import MIN_BODY_BYTES, body_limit, codec_for, dumps, parse_body
 from .config import ServeConfig
 from .errors import API, OIP, ClientGone, Code, Refused, internal, refusal
 from .instances import Instances, default_count
@@ -39,6 +40,8 @@ class Service:
     ``precompile serve ARTIFACT`` holds one; a repository (repository.py) one per model version,
     sharing one ``metrics`` registry whose ``labels`` (the model's name) each counts under.
     ``check(model)`` runs on every version the Live loads (a repository's: the model's name).
+    The runtime (``config.runtime``) decides the loader every version is loaded with and the codec's
+    arrays: torch tensors (``loader.load``), or numpy arrays (``loader.load_native``: torch never imported).
     """
 
     def __init__(
@@ -51,11 +54,11 @@ class Service:
         check: Callable[[Any], None] | None = None,
     ):
         self.config = config
-        self.live = (
-            live
-            if live is not None
-            else Live(allow_rollback=config.allow_rollback, check=check, **config.load_options())
-        )
+        self.codec = codec_for(config.runtime)
+        if live is None:  # loader.load (None: imported, with torch, at the first load) or the torch-free one
+            load = loader.load_native if config.runtime == "native" else None
+            live = Live(allow_rollback=config.allow_rollback, load=load, check=check, **config.load_options())
+        self.live = live
         self.max_body_bytes = config.max_body_bytes or self._default_body_limit()
         self.labels = labels
         self.metrics = metrics if metrics is not None else Metrics(lambda: listed(self.describe_serving()))
@@ -155,7 +158,7 @@ class Service:
         body = await request.body()
         # Decoded against the version read here; the call may run on a newer one, which the swap
         # checks has the same inputs.
-        inputs = await run_in_threadpool(lambda: to_tensors(parse_body(body), serving.model.manifest))
+        inputs = await run_in_threadpool(lambda: self.codec.inputs(parse_body(body), serving.model.manifest))
         outputs, variant, serving = await self.call(inputs, request)
         return await run_in_threadpool(self._predicted, outputs, variant, serving, inputs, start)
 
@@ -165,7 +168,7 @@ class Service:
         try:
             payload = dumps(
                 {
-                    "outputs": to_json(outputs),
+                    "outputs": self.codec.to_json(outputs),
                     "artifact": {"name": serving.name, "version": serving.version},
                     "variant": variant,
                 }

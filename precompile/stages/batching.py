@@ -21,6 +21,7 @@ import torch
 
 from loader.batch_tensors import grow
 from loader.manifest import Batching
+from loader.model import TORCH_OPS
 from loader.outputs import flatten
 
 from ..compare import compare_tensors
@@ -114,7 +115,7 @@ def batch_inputs(
         parts = [args[i] for args in calls]
         for d in spec.pad:
             axes = tuple(a for a, s in enumerate(inp.shape) if s == d)
-            parts = [grow(t, axes, target[d], pad_values.get(name, 0.0)) for t in parts]
+            parts = [grow(TORCH_OPS, t, axes, target[d], pad_values.get(name, 0.0)) for t in parts]
         out.append(torch.cat(parts, dim=inp.shape.index(spec.dim)))
     return tuple(out)
 
