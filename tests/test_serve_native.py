@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,6 @@ import numpy as np
 import pytest
 
 import loader
-from bench.serve_load import stop_server
 from loader import SwapError
 from loader.threads import cpu_allowance
 from precompile.serve.app import create_app
@@ -75,7 +75,12 @@ def serving(artifact: Path, *options: str, no_torch: bool = False, **env: str):
                 raise AssertionError(Path(log.name).read_text()[-3000:]) from None
             yield f"http://127.0.0.1:{port}", process.pid, Path(log.name)
         finally:
-            stop_server(process)  # SIGTERM: a drain, then status 0
+            process.send_signal(signal.SIGTERM)  # a drain, then status 0
+            try:
+                process.wait(timeout=DEADLINE)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         assert process.returncode == 0, Path(log.name).read_text()[-3000:]
 
 
