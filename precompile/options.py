@@ -19,6 +19,7 @@ MANAGED: dict[str, str] = {
     "aot_inductor.output_path": "the artifact's layout is precompile's",
     "aot_inductor.package_constants_in_so": "weights are kept out of the library and stored once, memory-mapped",
     "aot_inductor.package_constants_on_disk_format": "precompile extracts the weights itself",
+    "post_grad_custom_pre_pass": "precompile packs dynamic convolutions' weights there (precompile.passes.prepack)",
 }
 
 # Inductor writes the constants beside the code (not inside the .so), as pickles the build takes out.
@@ -70,3 +71,10 @@ def embeds_constants(options: dict[str, Any], device: str) -> bool:
     runner cannot take them back through load_constants. Such a variant carries its own weights.
     """
     return device == "cpu" and bool(options.get("freezing")) and options.get("cpp.weight_prepack", True) is not False
+
+
+def prepacks_convolutions(options: dict[str, Any], device: str) -> bool:
+    """Whether the build packs the weights of dynamic-size convolutions for oneDNN itself
+    (``precompile.passes.prepack``): wherever Inductor packs the static ones, that is wherever the
+    variant carries its own (frozen) weights."""
+    return embeds_constants(options, device)
