@@ -9,7 +9,7 @@ every weight of the network (about 100 MB a call for ResNet-50 in fp32).
 A weight packed for one size does not serve every size as it is: ideep asks oneDNN, at each call, for
 the weight format the kernel for that call's shape wants, and reorders a packed weight that differs.
 For one ISA that format is often the same across sizes, and often not: oneDNN 3.12's brgemm kernels
-block ResNet-50's weights by the image size for 37 of its 53 convolutions, and a packed weight in the
+block ResNet-50's weights by the image size for 20 of its 53 convolutions, and a packed weight in the
 wrong blocking is reordered per call by oneDNN's generic ``simple:any`` reorder, ~10 ms for a
 1024×256 weight, far slower than the plain weight's jitted one (ResNet-50 fp32 at 1×96², every
 weight packed for 2×157²: 914 ms a call on a busy host, against 34 ms eager).
@@ -34,6 +34,7 @@ Left as they are (plain weights, reordered per call by oneDNN's jitted reorder):
 
 from __future__ import annotations
 
+import ctypes
 from itertools import product
 from operator import attrgetter
 from typing import Any
@@ -74,7 +75,7 @@ def _left_because(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
     groups = node.args[6]
     if w.size(1) * groups == 1:
         return "one input channel"
-    if len({_format(_reorder(w, node, size)) for size in _probe_sizes(val.shape)}) > 1:
+    if len({_layout(_reorder(w, node, size)) for size in _probe_sizes(val.shape)}) > 1:
         return "format varies with the size"
     return None
 
@@ -85,12 +86,18 @@ def _probe_sizes(shape: Any) -> list[list[int]]:
     exprs = [s.node.expr if isinstance(s, torch.SymInt) else s for s in shape]
     env = next(s.node.shape_env for s in shape if isinstance(s, torch.SymInt))
     symbols = sorted({f for e in exprs if hasattr(e, "free_symbols") for f in e.free_symbols}, key=str)
-    ranges = [(int(env.var_to_range[f].lower), int(env.var_to_range[f].upper)) for f in symbols]
+    # A dim declared from 1 has the range [2, max] in the graph (torch.export specializes 0 and 1): probe 1 too.
+    ranges = [_ends(env.var_to_range[f]) for f in symbols]
     points = [[optimization_hint(s) for s in shape]]
-    for corner in [*product(*ranges), tuple((lo + hi) // 2 for lo, hi in ranges)]:
+    for corner in [*product(*ranges), tuple((r[0] + r[-1]) // 2 for r in ranges)]:
         values = dict(zip(symbols, corner))
         points.append([int(e.xreplace(values)) if hasattr(e, "xreplace") else int(e) for e in exprs])
     return [list(p) for p in dict.fromkeys(tuple(p) for p in points)]
+
+
+def _ends(r: Any) -> tuple[int, ...]:
+    lo, hi = int(r.lower), int(r.upper)
+    return (1, lo, hi) if lo == 2 else (lo, hi)
 
 
 def _reorder(w: torch.Tensor, node: torch.fx.Node, size: list[int]) -> torch.Tensor:
@@ -100,9 +107,11 @@ def _reorder(w: torch.Tensor, node: torch.fx.Node, size: list[int]) -> torch.Ten
     return torch.ops.mkldnn._reorder_convolution_weight(w, padding, stride, dilation, groups, size)
 
 
-def _format(packed: torch.Tensor) -> tuple[int, ...]:
-    """oneDNN's memory descriptor of a packed tensor, as AOTInductor serializes it (its layout, blocking)."""
-    return tuple(torch.ops.mkldnn._get_mkldnn_serialized_md(packed).tolist())
+def _layout(packed: torch.Tensor) -> bytes:
+    """A packed tensor's bytes as oneDNN laid them out: equal for two packings of one weight exactly
+    when their formats agree (oneDNN's serialized descriptor also holds shape-dependent fields that
+    ideep does not compare: a bf16 weight packed for 28² serves 16² and 48² without a reorder)."""
+    return ctypes.string_at(torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed))
 
 
 def _pack(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
