@@ -96,8 +96,10 @@ def _probe_sizes(shape: Any) -> list[list[int]]:
 
 
 def _ends(r: Any) -> tuple[int, ...]:
-    lo, hi = int(r.lower), int(r.upper)
-    return (1, lo, hi) if lo == 2 else (lo, hi)
+    """A range's ends to probe; a dim without a maximum is probed at its least value (and the hint)."""
+    lo = int(r.lower)  # a size's least value is always known (0, 1 or 2 unless declared)
+    hi = (int(r.upper),) if r.upper.is_finite else ()
+    return ((1,) if lo == 2 else ()) + (lo, *hi)
 
 
 def _reorder(w: torch.Tensor, node: torch.fx.Node, size: list[int]) -> torch.Tensor:
