@@ -120,11 +120,7 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
     """Build ``name``'s precision profile in ``work``, then its methods' accuracy and times (the module docstring)."""
     from precompile.calibration import calibration_inputs
     from precompile.pipeline import build
-    from precompile.profile import load_profile
-    from precompile.stages.resolve import resolve_model
     from precompile.traffic import read_distribution
-
-    from .onnx_export import export_onnx
 
     folder = work / name
     shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -133,33 +129,15 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
     result = build(profile_path, folder / "artifact")
     build_s = time.perf_counter() - start
     log(f"{name}: built in {build_s:.0f} s: {', '.join(v.id for v in result.manifest.variants)}")
-    loaded = load_profile(profile_path)
-    profile = loaded.profile
-    model = resolve_model(loaded)
-    onnx = export_onnx(model, profile, folder / "model.onnx")
-    threads = torch.get_num_threads()
-
-    methods: dict[str, Callable[[tuple], torch.Tensor]] = {}
-
-    def eager(args: tuple) -> torch.Tensor:
-        with torch.no_grad():
-            return model(*args)
-
-    methods["eager fp32"] = eager
-    methods.update(artifact_methods(result))
-    engines: dict[str, Any] = {}
-    if "path" in onnx:
-        peers, engines = peer_methods(onnx["path"], list(profile.inputs), threads)
-        methods.update(peers)
-    else:
-        log(f"{name}: ONNX export failed, peers skipped: {onnx['failed']}")
+    loaded, methods, engines, threads = compared_methods(name, result, profile_path, log)
+    eager = methods["eager fp32"]
 
     samples = [args for _, args in calibration_inputs(loaded, read_distribution(loaded))]
     accuracy = {}
     for label, fn in methods.items():
         accuracy[label] = min(cosine(fn(args), eager(args)) for args in samples)
 
-    rows = time_shapes(profile, SHAPES[name], methods, seconds, log)
+    rows = time_shapes(loaded.profile, SHAPES[name], methods, seconds, log)
     totals = {label: sum(r[label] for r in rows) for label in methods}
     gate = list(result.manifest.check.precision)
     return {
@@ -174,6 +152,36 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
         "engines": engines,
         "threads": threads,
     }
+
+
+def compared_methods(
+    name: str, result: Any, profile_path: Path, log: Callable[[str], None]
+) -> tuple[Any, dict[str, Callable[[tuple], torch.Tensor]], dict[str, Any], int]:
+    """What a bench compares for one built profile: fp32 eager (``"eager fp32"``), the artifact per
+    precision it kept, and the peers on the model's ONNX export (written beside the profile). Returns
+    the loaded profile, the methods, what each peer engine says about itself, and torch's threads."""
+    from precompile.profile import load_profile
+    from precompile.stages.resolve import resolve_model
+
+    from .onnx_export import export_onnx
+
+    loaded = load_profile(profile_path)
+    model = resolve_model(loaded)
+    onnx = export_onnx(model, loaded.profile, profile_path.parent / "model.onnx")
+    threads = torch.get_num_threads()
+
+    def eager(args: tuple) -> torch.Tensor:
+        with torch.no_grad():
+            return model(*args)
+
+    methods: dict[str, Callable[[tuple], torch.Tensor]] = {"eager fp32": eager, **artifact_methods(result)}
+    engines: dict[str, Any] = {}
+    if "path" in onnx:
+        peers, engines = peer_methods(onnx["path"], list(loaded.profile.inputs), threads)
+        methods.update(peers)
+    else:
+        log(f"{name}: ONNX export failed, peers skipped: {onnx['failed']}")
+    return loaded, methods, engines, threads
 
 
 def artifact_methods(result: Any) -> dict[str, Callable[[tuple], torch.Tensor]]:

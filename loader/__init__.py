@@ -15,7 +15,7 @@ never does).
 Reading a pack imports ``zstandard`` and checking a signature ``cryptography``, each only then.
 
 Imported before torch, it sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment says otherwise
-(see ``loader.threads``).
+(see ``loader.threads``); before oneDNN's first use, the sizes of its kernel caches.
 """
 
 from __future__ import annotations
@@ -26,12 +26,16 @@ import sys as _sys
 from typing import Any
 
 from .constants import WAIT_POLICY_ENV as _WAIT_POLICY_ENV
+from .threads import onednn_cache_env as _onednn_cache_env
 
 # OpenMP reads its wait policy once, when torch loads it: before that, the policy that keeps a shared
 # host fair (idle threads sleep instead of spinning beside other work; `precompile serve` sets the
 # same) can still be chosen. The user's own setting wins; after torch, load() warns instead.
 if "torch" not in _sys.modules:
     _os.environ.setdefault(_WAIT_POLICY_ENV, "PASSIVE")
+# oneDNN sizes its kernel caches at their first use; a dynamic variant needs more entries than its
+# default keeps (loader.threads.onednn_cache_env).
+_os.environ.update(_onednn_cache_env())
 
 from .errors import ArtifactError, GuardError, IncompatibleArtifactError, LoaderError
 from .manifest import Manifest, parse_manifest

@@ -59,6 +59,7 @@ class ServedModel:
         self._output = manifest.output
         self._single_tensor = manifest.output.kind == "tensor"
         self._stats_lock = threading.Lock()
+        self._warm = threading.local()  # .done: this thread ran warmup() (warm_thread)
         self.reset_stats()
 
     def _index_tables(self) -> None:
@@ -212,6 +213,19 @@ class ServedModel:
         Warm-up calls are not counted in ``stats()``."""
         for v in self._variants:
             self.run_variant(v.id, *self.example_inputs(v))
+        self._warm.done = True
+
+    def warm_thread(self) -> None:
+        """``warmup()`` in the calling thread, unless this thread has run it already.
+
+        oneDNN's compiled kernels are shared by the process (another thread's first call finds them in
+        its cache), but OpenMP starts a thread team for each thread that calls into it, at that
+        thread's first parallel region, and torch keeps other state per thread: the first call of a
+        thread pays for it. Call this once at the start of every thread that will call the model, e.g.
+        ``ThreadPoolExecutor(initializer=model.warm_thread)``.
+        """
+        if not getattr(self._warm, "done", False):
+            self.warmup()
 
     def example_inputs(self, variant: Variant) -> list:
         """Valid inputs at ``variant``'s hint shape (for warm-up and probes), each filled with its

@@ -92,6 +92,7 @@ class CompiledModel(ServedModel):
                 graphed = GraphedRunner(inner, example)
                 self._runners[v.id] = _Cast(graphed, cast) if cast is not None else graphed
         self._index_tables()
+        self._warm.done = True
         torch.cuda.synchronize(self.device)
 
     def _full(self, shape: list[int], value: float, dtype: str) -> torch.Tensor:
@@ -146,8 +147,10 @@ def load(
     - ``warmup`` runs every variant once on its hint shape before returning (``model.warmup()``), so
       the first real call meets warm code; ``warmup=False`` returns at once. It runs in the calling
       thread: OpenMP keeps one thread team per calling thread, so a thread that calls for the first
-      time still starts its own (call ``model.warmup()`` once in each, for a pool of callers). A new
-      shape on a dynamic variant is still slower the first time.
+      time still starts its own (call ``model.warm_thread()`` once in each, for a pool of callers). A
+      new shape on a dynamic variant is still slower the first time (oneDNN compiles its kernels for
+      it); ``import loader`` sizes oneDNN's caches so that the shapes already met stay compiled
+      (``loader.threads.onednn_cache_env``).
     - ``cpu_isa``: an artifact built for several CPU ISAs (the profile's ``cpu.isa``) serves, by default
       (``"auto"``), the variants of the best one this CPU runs (``native`` first, then ``x86-64-v4``,
       ``x86-64-v3``); naming one (``"x86-64-v3"``) serves that one, e.g. for the same numerics on every

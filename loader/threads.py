@@ -220,3 +220,20 @@ def openmp_env(
     elif THREADS_ENV not in environ:
         env[THREADS_ENV] = str(max(1, cpu_allowance().cpus // workers))
     return env
+
+
+# oneDNN keeps the kernels it compiled for each (primitive, shape) in one cache per process, and ideep
+# its plan for each in one cache per calling thread; both hold 1024 entries by default and are sized
+# from these variables once, at their first use (the first convolution or matmul torch runs).
+ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+# A dynamic variant meets a new entry per layer for each new shape: ResNet-50's ~70 primitives a call
+# fill 1024 entries in 15 shapes, after which every shape evicts another and pays oneDNN's compile
+# again. 8192 keeps ~120 shapes of such a network compiled (a few KB to ~100 KB of code each).
+ONEDNN_CACHE_CAPACITY = 8192
+
+
+def onednn_cache_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """oneDNN's cache sizes to add before its first use (``import loader`` sets them before torch,
+    so every load meets them): ``ONEDNN_CACHE_CAPACITY`` entries each, unless the user set a size."""
+    environ = os.environ if environ is None else environ
+    return {name: str(ONEDNN_CACHE_CAPACITY) for name in ONEDNN_CACHE_ENV if name not in environ}

@@ -21,6 +21,7 @@ MANAGED: dict[str, str] = {
     "aot_inductor.output_path": "the artifact's layout is precompile's",
     "aot_inductor.package_constants_in_so": "weights are kept out of the library and stored once, memory-mapped",
     "aot_inductor.package_constants_on_disk_format": "precompile extracts the weights itself",
+    "post_grad_custom_pre_pass": "precompile packs dynamic convolutions' weights there (precompile.passes.prepack)",
 }
 
 # Inductor writes the constants beside the code (not inside the .so), as pickles the build takes out.
@@ -102,3 +103,10 @@ def same_as_earlier(candidates: list[dict[str, Any]], k: int, isa: str | None) -
         return None
     mine = unit_options(candidates[k], isa=isa)
     return next((j for j in range(k) if unit_options(candidates[j], isa=isa) == mine), None)
+
+
+def prepacks_convolutions(options: dict[str, Any], device: str) -> bool:
+    """Whether the build packs the weights of dynamic-size convolutions for oneDNN itself
+    (``precompile.passes.prepack``): wherever Inductor packs the static ones, that is wherever the
+    variant carries its own (frozen) weights."""
+    return embeds_constants(options, device)

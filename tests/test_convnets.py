@@ -3,10 +3,15 @@ models built through the whole pipeline, and the graph rewrites and failure mess
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 import torch._inductor
 from torch import nn
@@ -15,7 +20,8 @@ import loader
 from precompile.passes import convnets
 from precompile.pipeline import build
 
-from .models import hf_tiny
+from .conftest import write_profile
+from .models import hf_tiny, tiny
 from .test_doctor import profile
 
 IMAGES = """
@@ -145,3 +151,138 @@ def test_a_lowering_failure_names_the_model_line_and_the_dims(tmp_path):
     assert "sizes [batch, 8, (((height - 1)//4)) + 1, (((width - 1)//4)) + 1] are floor divisions" in message
     assert "ValueRangeError: Invalid ranges [0:-1]" in message
     assert message.endswith("declare height and width as static sizes in the profile (one variant per size)")
+
+
+# --- dynamic convolutions run on weights packed at build time (precompile.passes.prepack) -------------
+
+GRAY = """
+    name: gray
+    model: {factory: "tiny:gray_net"}
+    inputs: {x: {shape: [batch, 1, height, width], dtype: float32}}
+    dims: {batch: {min: 1, max: 2}, height: {min: 24, max: 48}, width: {min: 24, max: 48}}
+    plan: {max_specialized: 0}
+    compile: {inductor: {freezing: true}}
+    precision: [fp32, bf16]
+    accuracy: {metric: cosine, threshold: 0.99, min_speedup: 0}
+    check: {random_shapes: 1}
+"""
+
+# Loads the artifact in a fresh process under ONEDNN_VERBOSE and calls it twice at each shape, between
+# markers; saves the outputs for the test to compare with eager.
+CALLS = """
+import json, sys, torch, loader
+path, precision, shapes, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+model = loader.load(path, precision=precision)
+got = []
+for shape in shapes:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+    for call in range(2):
+        print(f"=== {shape} {call}", flush=True)
+        y = model(x)
+    got.append(y)
+print("=== end", flush=True)
+torch.save(got, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def gray(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gray")
+    return build(write_profile(folder, GRAY), folder / "artifact")
+
+
+def convolution_weights(package: Path) -> dict[str, tuple[str, bool]]:
+    """Each ``mkldnn._convolution_pointwise`` weight of the package's generated code: how oneDNN's
+    verbose log writes its dims (``OxIxHxW``, grouped ``GxO/GxI/GxHxW``), and whether it is a packed
+    (opaque oneDNN) constant."""
+    with zipfile.ZipFile(package) as z:
+        (code,) = [z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")]
+    info: dict[str, dict[str, str]] = {}
+    for i, field, value in re.findall(r"constants_info_\[(\d+)\]\.(name|shape|layout) = (.*);", code):
+        info.setdefault(i, {})[field] = value
+    constants = {v["name"].strip('"'): v for v in info.values()}
+    out = {}
+    for weight, groups in re.findall(
+        r"aoti_torch_cpu_mkldnn__convolution_pointwise\(\w+, (\w+),(?:[^;]*?\.cbegin\(\), \d+,){3} (\d+)L", code
+    ):
+        o, i, h, w = (int(n) for n in re.findall(r"\d+", constants[weight]["shape"]))
+        g = int(groups)
+        dims = f"{o}x{i}x{h}x{w}" if g == 1 else f"{g}x{o // g}x{i}x{h}x{w}"
+        out[weight] = (dims, "layout__mkldnn" in constants[weight]["layout"])
+    return out
+
+
+def onednn_calls(artifact: Path, precision: str, shapes: list[list[int]], tmp_path: Path):
+    """Per (shape, call): the dims of every reorder oneDNN ran; and the outputs, one per shape."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    out = tmp_path / f"{precision}.pt"
+    run = subprocess.run(
+        [sys.executable, "-c", CALLS, str(artifact), precision, json.dumps(shapes), str(out)],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    reorders, current = {}, None
+    for line in run.stdout.splitlines():
+        if line.startswith("=== "):
+            current = line[4:]
+            reorders[current] = []
+        elif current and line.startswith("onednn_verbose") and ",exec,cpu,reorder," in line:
+            reorders[current].append(line.split(",")[-2])
+    return reorders, torch.load(out)
+
+
+def test_dynamic_convolutions_reorder_no_packed_weight_at_any_shape(gray, tmp_path):
+    model = tiny.gray_net()
+    (hint,) = [[v.hint[d] if isinstance(d, str) else d for d in ("batch", 1, "height", "width")]
+               for v in gray.manifest.variants if v.id == "dynamic"]  # fmt: skip
+    shapes = [[1, 1, 24, 24], [2, 1, 48, 48], hint, [2, 1, 31, 45], [1, 1, 48, 25]]
+    variants = {v.precision: v.id for v in gray.manifest.variants}
+    assert "fp32" in variants
+    for precision, vid in variants.items():
+        weights = convolution_weights(gray.path / "variants" / f"{vid}.pt2")
+        packed = {dims for dims, is_packed in weights.values() if is_packed}
+        plain = {dims for dims, is_packed in weights.values() if not is_packed}
+        assert len(weights) == 5  # every convolution but the transposed one runs as _convolution_pointwise
+        assert packed and "16x1x3x3" in plain  # the one-channel stem stays plain
+        reorders, outputs = onednn_calls(gray.path, precision, shapes, tmp_path)
+        assert len(reorders) == 2 * len(shapes) + 1
+        for call, dims in reorders.items():
+            assert not packed & set(dims), (precision, call, dims)
+            if call != "end":
+                assert "16x1x3x3" in dims  # a plain weight is reordered at every call: the log is read right
+        for shape, got in zip(shapes, outputs):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+            with torch.no_grad():
+                want = model(x)
+            assert want.abs().max() > 0.1
+            tolerance = {"fp32": 1e-5, "bf16": 5e-2}[precision] * want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+
+
+WARM_THREADS = """
+import sys, threading, loader
+model = loader.load(sys.argv[1], precision="fp32")  # warms this thread up
+for where in ("main", "main", "new thread"):
+    print(f"=== {where}", flush=True)
+    if where == "main":
+        model.warm_thread()
+    else:
+        thread = threading.Thread(target=model.warm_thread)
+        thread.start()
+        thread.join()
+print("=== end", flush=True)
+"""
+
+
+def test_warm_thread_warms_each_thread_once(gray):
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    run = subprocess.run([sys.executable, "-c", WARM_THREADS, str(gray.path)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    ran, current = {}, None
+    for line in run.stdout.splitlines():
+        if line.startswith("=== "):
+            current = line[4:]
+            ran.setdefault(current, 0)
+        elif current and ",exec,cpu,convolution," in line:
+            ran[current] += 1
+    assert ran["main"] == 0  # load() warmed the main thread up: nothing runs again
+    assert ran["new thread"] == 5  # the fp32 variant's five convolutions, once

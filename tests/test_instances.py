@@ -44,6 +44,38 @@ def test_each_instance_owns_its_share_of_the_threads():
     assert torch.get_num_threads() == before  # the caller's team is its own
 
 
+def test_on_each_runs_once_on_every_instance_before_its_next_call():
+    instances = Instances(count=3, queue_size=8, threads=3)
+    ran: list[str] = []
+    try:
+        instances.on_each(lambda: ran.append(threading.current_thread().name))
+        instances.on_each(lambda: ran.append("second " + threading.current_thread().name))  # replaces the first
+        names = [instances.submit(lambda: threading.current_thread().name).result(timeout=DEADLINE) for _ in range(6)]
+        deadline = time.monotonic() + DEADLINE
+        while len([r for r in ran if r.startswith("second")]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # idle instances wake for it too
+    finally:
+        instances.close()
+    seconds = sorted(r for r in ran if r.startswith("second"))
+    assert seconds == sorted(f"second precompile-instance-{i}" for i in range(3))  # once on each, not twice
+    assert len(ran) - len(seconds) <= 3 and set(names) <= {f"precompile-instance-{i}" for i in range(3)}
+
+
+def test_each_instance_warms_a_loaded_version_in_its_own_thread(classifier_artifact):
+    app = create_app(ServeConfig(str(classifier_artifact), instances=2, queue_size=4))
+    service = app.state.service
+    with AppClient(app):
+        assert wait_loaded(service)
+        model, both = service.live.model, threading.Barrier(2)
+
+        def probe():  # holds its instance until the other one runs a probe too
+            both.wait(timeout=DEADLINE)
+            return threading.current_thread().name, getattr(model._warm, "done", False)
+
+        seen = {f.result(timeout=DEADLINE) for f in [service.instances.submit(probe) for _ in range(2)]}
+    assert seen == {("precompile-instance-0", True), ("precompile-instance-1", True)}  # warm before any call
+
+
 def test_the_default_count_is_what_the_workers_share_of_the_cpus_can_feed():
     cpus = cpu_allowance().cpus
     assert default_count(threads=1) == cpus  # one single-threaded instance per CPU

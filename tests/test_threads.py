@@ -243,3 +243,31 @@ def test_torch_imported_first_with_passive_does_not_warn(classifier_artifact):
     result = python(LOAD_TWICE.format(path=str(classifier_artifact)), OMP_WAIT_POLICY="PASSIVE")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "PASSIVE"
+
+
+CONV_SIZES = """
+    import os, torch, loader
+    print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], flush=True)
+    conv = torch.nn.Conv2d(16, 16, 3).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        for size in (40, 41, 42, 43, 40):  # back to the first shape after four others
+            print("=== ", size, flush=True)
+            conv(torch.randn(1, 16, size, size).to(memory_format=torch.channels_last))
+"""
+
+
+def last_convolution_create(stdout: str) -> str:
+    return [line for line in stdout.splitlines() if line.startswith("onednn_verbose") and "create:" in line
+            and ",convolution," in line][-1].split(",")[3]  # fmt: skip
+
+
+def test_loader_sizes_onednns_caches_even_after_torch_and_the_user_wins():
+    """oneDNN reads its cache size at its first use, not at ``import torch``: the size loader sets
+    (after torch here) governs, and a size the user set is kept."""
+    ours = python(CONV_SIZES, ONEDNN_VERBOSE="all")
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout.splitlines()[0] == "8192 8192"
+    assert last_convolution_create(ours.stdout) == "create:cache_hit"  # the first shape's kernel kept
+    tiny = python(CONV_SIZES, ONEDNN_VERBOSE="all", ONEDNN_PRIMITIVE_CACHE_CAPACITY="2", LRU_CACHE_CAPACITY="2")
+    assert tiny.stdout.splitlines()[0] == "2 2"
+    assert last_convolution_create(tiny.stdout) == "create:cache_miss"  # evicted by the four others

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from loader.threads import cpu_allowance, default_threads
+
+log = logging.getLogger("precompile.serve")
 
 
 class InstancesFull(Exception):
@@ -69,6 +72,7 @@ class Instances:
         self._idle = 0  # instances waiting for a call
         self._lock = threading.Condition()
         self._closed = False
+        self._each: tuple[int, Callable[[], Any] | None] = (0, None)  # (generation, what each instance runs once)
         self._threads = [
             threading.Thread(target=self._run, name=f"precompile-instance-{i}", daemon=True) for i in range(count)
         ]
@@ -101,6 +105,14 @@ class Instances:
                     del self._waiting[i]
                     return
 
+    def on_each(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` once on every instance, before the next call each takes (a newly loaded model's
+        ``warm_thread``: OpenMP starts a thread team per calling thread, so each instance's first call
+        would pay for its own). Replaces an earlier ``fn`` not yet run; its failures are logged."""
+        with self._lock:
+            self._each = (self._each[0] + 1, fn)
+            self._lock.notify_all()
+
     @property
     def queued(self) -> int:
         """Calls waiting for an instance now."""
@@ -116,20 +128,30 @@ class Instances:
             t.join()
 
     def _run(self) -> None:
-        sized = False
+        sized, seen = False, 0
         while True:
             with self._lock:
                 self._idle += 1
-                while not self._waiting and not self._closed:
+                while not self._waiting and not self._closed and self._each[0] == seen:
                     self._lock.wait()
                 self._idle -= 1
-                if not self._waiting:
+                if self._each[0] != seen and not self._closed:
+                    (seen, each), job = self._each, None
+                elif not self._waiting:
                     return  # closed, nothing left
-                future, fn, kwargs = self._waiting.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue  # its client gave up while it waited
+                else:
+                    job = self._waiting.popleft()
             if not sized:  # this thread's OpenMP team only (the runtime is loaded by the first load)
                 sized = set_team_size(self.threads_each)
+            if job is None:
+                try:
+                    each()
+                except Exception:  # noqa: BLE001: a warm-up that fails leaves the calls to say why
+                    log.warning("an execution instance could not warm up", exc_info=True)
+                continue
+            future, fn, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue  # its client gave up while it waited
             try:
                 result = fn(**kwargs)
             except BaseException as e:  # noqa: BLE001: handed to the caller, whose policy answers it

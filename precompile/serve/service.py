@@ -111,6 +111,8 @@ class Service:
         self.metrics.reloads.labels(*self.labels, "ok" if attempt.ok else "failed").inc()
         if attempt.ok:
             log.info("serving %s version %s from %s", self.live.serving.name, attempt.version, attempt.path)
+            if self.instances is not None:  # each instance thread warms the new version before its next call
+                self.instances.on_each(self.live.model.warm_thread)
         else:
             log.error("could not load %s: %s", attempt.requested, attempt.error)
 

@@ -23,7 +23,7 @@ from loader.aoti import open_package
 
 from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
-from ..options import WEIGHTS_OUT, embeds_constants
+from ..options import WEIGHTS_OUT, embeds_constants, prepacks_convolutions
 from ..passes import convnets
 from ..units import CompiledPackage
 
@@ -47,8 +47,12 @@ def compile_package(
     """
     import torch._inductor  # build side only
 
+    from ..passes.prepack import PrepackConvolutions  # imports torch._inductor too
+
     embedded = embeds_constants(options, device)
     configs = {**options} if embedded else {**options, **WEIGHTS_OUT}
+    if prepacks_convolutions(options, device):  # Inductor packs only static ones (precompile.passes.prepack)
+        configs["post_grad_custom_pre_pass"] = PrepackConvolutions()
     if device == "cuda" and multi_arch:
         configs["aot_inductor.emit_multi_arch_kernel"] = True
     raw = out.with_suffix(".full.pt2")

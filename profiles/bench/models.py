@@ -6,6 +6,8 @@
 - ``seq2seq``: ``torch.nn.Transformer`` over embedded sequences, causal decoder, padding masks.
 - ``resnet50``: ``transformers``' ResNet-50 from its default config with random weights (torchvision
   does not import beside the local torch wheel), classification logits.
+- ``efficientnet_b0``, ``mobilenet_v2``, ``regnet_y``, ``segformer``: the vision suite's other
+  convnets (``bench.vision``), each from its transformers config with random weights.
 
 These need the ``bench`` extra (``pip install -e '.[bench]'``). Each wrapper returns one tensor and
 accepts padded inputs exactly where its mask says so, which is what hand bucketing relies on.
@@ -130,3 +132,24 @@ def segformer(**config) -> nn.Module:
 
     torch.manual_seed(0)
     return Logits(SegformerForSemanticSegmentation(SegformerConfig(**config))).eval()
+
+
+def mobilenet_v2(**config) -> nn.Module:
+    """MobileNetV2 (transformers' default config: width 1.0, 224²), random weights, classification logits:
+    inverted residuals of depthwise 3×3 convolutions between 1×1 ones."""
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    torch.manual_seed(0)
+    # TensorFlow's "same" padding (the default) computes each pad from the input's exact size, which
+    # specializes height and width: PyTorch's fixed padding serves any size.
+    config = {"tf_padding": False, **config}
+    return settle_batch_norms(Logits(MobileNetV2ForImageClassification(MobileNetV2Config(**config))))
+
+
+def regnet_y(**config) -> nn.Module:
+    """RegNet-Y (transformers' default config: RegNetY-4GF, groups of 64 channels, squeeze-and-excite),
+    random weights, classification logits: grouped 3×3 convolutions."""
+    from transformers import RegNetConfig, RegNetForImageClassification
+
+    torch.manual_seed(0)
+    return settle_batch_norms(Logits(RegNetForImageClassification(RegNetConfig(**config))))

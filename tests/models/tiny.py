@@ -224,3 +224,26 @@ class BatchCentered(nn.Module):
 def batch_centered() -> nn.Module:
     torch.manual_seed(6)
     return BatchCentered()
+
+
+class GrayNet(nn.Module):
+    """A convnet over one-channel images with each kind of convolution: a one-channel stem, strided,
+    depthwise, grouped, 1×1, and a transposed convolution (the prepacking tests)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(1, 16, 3, padding=1)
+        self.down = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.depthwise = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.grouped = nn.Conv2d(32, 32, 3, padding=1, groups=4)
+        self.up = nn.ConvTranspose2d(32, 8, 2, stride=2)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.depthwise(torch.relu(self.down(self.stem(x)))))
+        return self.head(torch.relu(self.up(self.grouped(y))))
+
+
+def gray_net() -> nn.Module:
+    return GrayNet().eval()
