@@ -255,26 +255,32 @@ def run_isa(name: str, work: Path, seconds: float, log: Callable[[str], None]) -
     from precompile.profile import load_profile
 
     folder = work / f"{name}-isa"
-    shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"))
     path = folder / f"{name}.yaml"
     levels = [isa for isa in LEVELS if not missing_features(isa, cpu_features())]
-    raw = yaml.safe_load(path.read_text())
-    raw["cpu"] = {"isa": ["native", *levels]}
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    start = time.perf_counter()
-    result = build(path, folder / "artifact")
-    build_s = time.perf_counter() - start
-    log(f"{name}: built in {build_s:.0f} s: {', '.join(v.id for v in result.manifest.variants)}")
+    artifact, build_s = folder / "artifact", None
+    if (artifact / "manifest.json").is_file():  # --work kept it from an earlier run: time it again
+        log(f"{name}: timing the artifact built earlier in {artifact}")
+    else:
+        shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        raw = yaml.safe_load(path.read_text())
+        raw["cpu"] = {"isa": ["native", *levels]}
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        start = time.perf_counter()
+        result = build(path, artifact)
+        build_s = time.perf_counter() - start
+        log(f"{name}: built in {build_s:.0f} s: {', '.join(v.id for v in result.manifest.variants)}")
+    if seconds <= 0:  # --build-only
+        return {"model": name, "build_seconds": build_s}
     methods: dict[str, Callable[[tuple], torch.Tensor]] = {}
     for isa in ("native", *levels):
-        compiled = loader.load(result.path, cpu_isa=isa)
+        compiled = loader.load(artifact, cpu_isa=isa)
         methods[f"precompile {isa}"] = lambda args, m=compiled: m(*args)
     profile = load_profile(path).profile
     rows = time_shapes(profile, SHAPES[name], methods, seconds, log)
     return {
         "model": name,
         "build_seconds": build_s,
-        "variants": [v.id for v in result.manifest.variants],
+        "variants": [v.id for v in compiled.manifest.variants],
         "shapes": rows,
         "total_ms": {label: sum(r[label] for r in rows) for label in methods},
         "threads": torch.get_num_threads(),
@@ -288,6 +294,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/precision.json (isa.json)")
     parser.add_argument("--isa", action="store_true", help="time the x86-64 levels' variants against native")
     parser.add_argument(
+        "--work", type=Path, help="--isa: build into (and time again from) this folder instead of a temporary one"
+    )
+    parser.add_argument("--build-only", action="store_true", help="--isa with --work: build, time nothing")
+    parser.add_argument(
         "--write-calibration", action="store_true", help="rewrite profiles/bench/minilm_calibration.jsonl and stop"
     )
     args = parser.parse_args()
@@ -299,10 +309,15 @@ def main() -> None:
     if not args.isa and "quick" in args.models:
         parser.error("--models quick is the smoke run of --isa (it has no precision profile)")
     results = []
+    if args.build_only and not (args.isa and args.work):
+        parser.error("--build-only needs --isa and --work")
     with tempfile.TemporaryDirectory(prefix="precision-bench-") as tmp:
         for name in args.models:
             run = run_isa if args.isa else run_model
-            results.append(run(name, Path(tmp), args.seconds, lambda s: print(s, flush=True)))
+            work = args.work if args.isa and args.work else Path(tmp)
+            results.append(run(name, work, 0.0 if args.build_only else args.seconds, lambda s: print(s, flush=True)))
+    if args.build_only:
+        return
     for r in results if args.isa else ():
         native = r["total_ms"]["precompile native"]
         print(f"\n{r['model']}: sum of median ms over {len(r['shapes'])} shapes")

@@ -534,3 +534,45 @@ def test_a_store_prefix_that_push_wrote_is_a_repository(
             assert c.post(f"/predict/{CLASSIFIER}", json=payload).json()["artifact"]["version"] == 3
     finally:
         server.stop()
+
+
+def test_grpc_serves_every_model_of_the_repository_by_name_and_version(repo, structured_artifact):
+    """--grpc-port on a repository: ModelInfer finds each model (and version) where the HTTP routes do;
+    an unknown one is NOT_FOUND, counted under model="" (a client cannot grow the label set)."""
+    grpc_client = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    from .test_serve_load import free_port
+
+    grpc_port = free_port()
+    with serve_command(repo, "--grpc-port", str(grpc_port)) as port:
+        c = grpc_client.InferenceServerClient(url=f"127.0.0.1:{grpc_port}")
+        _, (ids, mask) = classifier_body(2, batch=2, seq=9)
+        inputs = [grpc_client.InferInput("ids", [2, 9], "INT64"), grpc_client.InferInput("mask", [2, 9], "BOOL")]
+        inputs[0].set_data_from_numpy(ids.numpy())
+        inputs[1].set_data_from_numpy(mask.numpy())
+        expected = loader.load(repo / CLASSIFIER / "3", warmup=False)(ids, mask)
+        for version in ("", "3"):
+            result = c.infer(CLASSIFIER, inputs, model_version=version)
+            assert result.get_response().model_version == "3"
+            assert torch.allclose(
+                torch.from_numpy(result.as_numpy(result.get_response().outputs[0].name)), expected, atol=1e-5
+            )
+
+        x = structured_body(3)[1]
+        s_input = grpc_client.InferInput("x", list(x.shape), "FP32")
+        s_input.set_data_from_numpy(x.numpy())
+        result = c.infer(STRUCTURED, [s_input])
+        eager = loader.load(structured_artifact, warmup=False)(x)
+        assert torch.allclose(torch.from_numpy(result.as_numpy("hidden")), eager["hidden"], atol=1e-5)
+        assert c.is_model_ready(STRUCTURED) and not c.is_model_ready("nope")
+
+        for name, version in (("nope", ""), (CLASSIFIER, "1")):  # version 1 is not served (latest:1)
+            with pytest.raises(InferenceServerException) as raised:
+                c.infer(name, inputs, model_version=version)
+            assert raised.value.status() == "StatusCode.NOT_FOUND", raised.value.message()
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    counted = samples(text)
+    assert counted[("precompile_grpc_requests_total", (("code", "OK"), ("model", CLASSIFIER)))] == 2
+    assert counted[("precompile_grpc_requests_total", (("code", "NOT_FOUND"), ("model", "")))] == 1
+    assert counted[("precompile_grpc_requests_total", (("code", "NOT_FOUND"), ("model", CLASSIFIER)))] == 1

@@ -72,8 +72,9 @@ class Models(Protocol):
     def count(self, found: Found, serving: Serving, variant: str, inputs: dict[str, Any], start: float) -> None:
         """Count one ModelInfer that succeeded (started at ``start``, perf_counter) in the server's metrics."""
 
-    def count_refused(self, found: Found | None, refused: Refused) -> None:
-        """Count one ModelInfer answered with ``refused`` (``found``: None when no model was found)."""
+    def count_refused(self, found: Found | None, refused: Refused, name: str) -> None:
+        """Count one ModelInfer for model ``name`` answered with ``refused`` (``found``: None when no
+        model or version was found)."""
 
 
 class ServedModels:
@@ -98,12 +99,15 @@ class ServedModels:
     def count(self, found: Found, serving: Serving, variant: str, inputs: dict[str, Any], start: float) -> None:
         found[0].count_served(serving, variant, inputs, start, grpc=True)
 
-    def count_refused(self, found: Found | None, refused: Refused) -> None:
-        if found is not None:
-            found[0].count_refused(refused.code.value, refused.reason, grpc=True)
-        else:  # an unknown model: counted under model="" (a client cannot grow the label set)
-            labels = tuple("" for _ in self.models.metrics.labels)
-            count_refusal(self.models.metrics, labels, refused.code.value, refused.reason, grpc=True)
+    def count_refused(self, found: Found | None, refused: Refused, name: str) -> None:
+        if found is None:
+            try:  # a served model's unknown version counts under the model, as over HTTP
+                found = (self.models.lookup(name, None), None)
+            except Refused:  # an unknown model: counted under model="" (a client cannot grow the label set)
+                labels = tuple("" for _ in self.models.metrics.labels)
+                count_refusal(self.models.metrics, labels, refused.code.value, refused.reason, grpc=True)
+                return
+        found[0].count_refused(refused.code.value, refused.reason, grpc=True)
 
 
 def _invalid(message: str) -> Refused:
@@ -257,7 +261,10 @@ class Servicer:
             return response
 
         return await self._answer(
-            "ModelInfer", context, work, counted=lambda refused: self.models.count_refused(found, refused)
+            "ModelInfer",
+            context,
+            work,
+            counted=lambda refused: self.models.count_refused(found, refused, request.model_name),
         )
 
     async def _answer(
