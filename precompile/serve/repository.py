@@ -324,6 +324,8 @@ class Repository:
             else:
                 self._broken.pop(name, None)
         for service in replaced + dropped:
+            if name in self._models:  # a call looked up before the swap runs on the newest version
+                service.successor = lambda: self.lookup(name, None)
             service.stop()
 
     def _service(self, name: str, path: str) -> Service:

@@ -21,13 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 import loader
-from loader import Batcher, Live, LoaderError, TrafficRecorder
+from loader import Batcher, BatcherClosed, Live, LoaderError, TrafficRecorder
 from loader.live import Serving, SwapAttempt, read_served_manifest
 
 from .codec import MIN_BODY_BYTES, body_limit, codec_for, dumps, parse_body
 from .config import ServeConfig
 from .errors import API, OIP, ClientGone, Code, Refused, internal, refusal
-from .instances import Instances, default_count
+from .instances import Instances, InstancesClosed, default_count
 from .metrics import Metrics, shape_bucket
 from .reload import ReloadRefused, reload_target
 
@@ -68,6 +68,8 @@ class Service:
             Batcher(self.live, **config.batcher_options(), on_batch=self._count_batch) if config.batch else None
         )
         self.instances: Instances | None = None  # without --batch: started with the service
+        # Set by a repository when it replaces this version: where calls still on their way here go.
+        self.successor: Callable[[], Service] | None = None
         self._loader: threading.Thread | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -147,11 +149,18 @@ class Service:
         """Run one decoded call on this model: on an execution instance, or through the batcher with
         --batch; raises what the call raises. The one entry point every protocol's infer uses. A queued
         call whose client hangs up (``request``'s connection; None, as for gRPC: cancelling the awaiting
-        task does it) is cancelled, dropped from its queue or batch, and ends in ClientGone."""
-        if self.batcher is None:
-            pending = asyncio.wrap_future(self.instances.submit(self.live.call_detailed, **inputs))
-        else:  # guards run in submit (cheap), so a refused call is never queued
-            pending = asyncio.wrap_future(self.batcher.submit(**inputs))
+        task does it) is cancelled, dropped from its queue or batch, and ends in ClientGone. A call that
+        reaches a version a repository has just replaced (looked up before, stopped since) runs on
+        what replaced it (``successor``)."""
+        try:
+            if self.batcher is None:
+                pending = asyncio.wrap_future(self.instances.submit(self.live.call_detailed, **inputs))
+            else:  # guards run in submit (cheap), so a refused call is never queued
+                pending = asyncio.wrap_future(self.batcher.submit(**inputs))
+        except (InstancesClosed, BatcherClosed):
+            if self.successor is None:
+                raise
+            return await self.successor().call(inputs, request)
         return await (pending if request is None else unless_disconnected(pending, request.receive))
 
     async def predict(self, request: Request) -> Response:
