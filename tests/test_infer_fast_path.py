@@ -36,7 +36,7 @@ def binary_request(ids: np.ndarray, mask: np.ndarray, **parameters) -> tuple[dic
     return {HEADER_LENGTH: str(len(head))}, head + ids.tobytes() + mask.tobytes()
 
 
-def json_request(ids: np.ndarray, mask: np.ndarray, **parameters) -> tuple[dict[str, str], bytes]:
+def json_request(ids: np.ndarray, mask: np.ndarray, indent: int | None = None, **parameters) -> tuple[dict, bytes]:
     header = {
         "id": "r1",
         "inputs": [
@@ -45,7 +45,7 @@ def json_request(ids: np.ndarray, mask: np.ndarray, **parameters) -> tuple[dict[
         ],
         **parameters,
     }
-    return {"content-type": "application/json"}, json.dumps(header).encode()
+    return {"content-type": "application/json"}, json.dumps(header, indent=indent).encode()
 
 
 IDS = np.arange(12, dtype=np.int64).reshape(1, 12) % 50
@@ -57,6 +57,11 @@ CASES = {
     "binary in and out": ("POST", INFER, *binary_request(IDS, MASK, parameters={"binary_data_output": True})),
     "binary in, JSON out": ("POST", INFER, *binary_request(IDS, MASK)),
     "JSON in and out": ("POST", INFER, *json_request(IDS, MASK)),
+    "a JSON request longer than the loop decodes": (
+        "POST",
+        INFER,
+        *json_request(np.arange(8 * 48).reshape(8, 48) % 50, np.ones((8, 48), dtype=np.bool_), indent=2),
+    ),
     "one output asked in binary": (
         "POST",
         INFER,
