@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,6 @@ import numpy as np
 import pytest
 
 import loader
-from bench.serve_load import stop_server
 from loader import SwapError
 from loader.threads import cpu_allowance
 from precompile.serve.app import create_app
@@ -54,6 +54,16 @@ sys.meta_path.insert(0, NoTorch())
 sys.argv = ["precompile", *sys.argv[1:]]
 runpy.run_module("precompile", run_name="__main__")
 """
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM (the server drains, then exits 0); killed if it has not stopped within a minute."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextmanager
