@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from tests.test_batching_section import call as encoder_call
 from tests.test_batching_section import encoder_artifact  # noqa: F401 (the fixture, built for this module)
 from tests.test_oip import infer as infer_with
 from tests.test_serve import AppClient, invoke
-from tests.test_serve_load import DEADLINE, free_port, replace_link, wait_ready
+from tests.test_serve_load import DEADLINE, free_port, replace_link, stop_server, wait_ready
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 
@@ -54,16 +53,6 @@ sys.meta_path.insert(0, NoTorch())
 sys.argv = ["precompile", *sys.argv[1:]]
 runpy.run_module("precompile", run_name="__main__")
 """
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    """SIGTERM (the server drains, then exits 0); killed if it has not stopped within a minute."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @contextmanager
