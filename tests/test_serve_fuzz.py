@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from .test_serve_load import ROOT, free_port, wait_ready
+from .test_serve_load import ROOT, free_port, stop_server, wait_ready
 
 # Generated requests per operation and mode ("shaped": positive bodies laid out as one rectangular call,
 # see `shaped`); the GETs take no input, so a few requests each say it all.
@@ -65,12 +64,7 @@ def server(classifier_artifact, tmp_path):
         wait_ready(base)
         yield process, base
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process, timeout=30)
         log.seek(0)
         print(log.read()[-4000:])
         log.close()

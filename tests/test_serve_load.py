@@ -196,6 +196,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(process: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (the server drains, then exits 0); killed if it has not stopped within ``timeout`` s."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def test_the_command_follows_deploys_under_load_and_records_the_traffic(classifier_versions, tmp_path):
     """`precompile serve --watch --record` as a process: links replaced under load, then SIGTERM;
     the recorded histogram counts every request served, across all versions."""

@@ -32,7 +32,7 @@ from tests.test_batching_section import call as encoder_call
 from tests.test_batching_section import encoder_artifact  # noqa: F401 (the fixture, built for this module)
 from tests.test_oip import infer as infer_with
 from tests.test_serve import AppClient, invoke
-from tests.test_serve_load import DEADLINE, free_port, replace_link, wait_ready
+from tests.test_serve_load import DEADLINE, free_port, replace_link, stop_server, wait_ready
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 

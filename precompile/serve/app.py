@@ -13,7 +13,8 @@
 Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py), and answers whatever
 its work raises through one exception policy (errors.py, ``Service.answer`` in service.py). The artifact is loaded
 and warmed up on a background thread at start-up, so /healthz answers at once and /readyz turns 200
-when the first request would meet warm code. Requests are decoded on the server's thread pool; each
+when the first request would meet warm code. Requests are decoded on the server's thread pool (a /v2
+infer request with binary tensors or a short JSON header on the loop: oip.py); each
 call runs through ``Live.call_detailed`` on one of the model's execution instances (instances.py: a
 bounded number at once, a bounded queue in front, 503 beyond it), or with ``--batch`` is queued in a ``loader.Batcher``
 that runs concurrent calls as one batch (while it waits, a client that hangs up cancels it: the
@@ -73,8 +74,8 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
     app = FastAPI(title="precompile serve", lifespan=lifespan)
     app.state.service = holder
     app.state.models = models
+    mount_oip(app, models)  # first: its infer fast path is middleware that must run inside the body limit
     app.add_middleware(BodyLimit, limit=models.max_body_bytes, refuse=models.refuse)
-    mount_oip(app, models)
 
     @app.post("/predict", openapi_extra=_json_body("PredictRequest"), responses=_ERRORS)
     @app.post("/predict/{name}", openapi_extra=_json_body("PredictRequest"), responses=_ERRORS)

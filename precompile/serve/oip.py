@@ -157,6 +157,8 @@ def mount_oip(app: FastAPI, models: Models) -> None:
         return await models.answer(request, work)
 
     app.include_router(router)
+    # Added before the app's BodyLimit (create_app), so it runs inside it: the limit holds here too.
+    app.add_middleware(InferFastPath, models=models)
 
 
 def _index_request(body: bytes) -> dict[str, Any]:
@@ -178,16 +180,78 @@ def _no_parameters(body: bytes) -> None:
         raise BodyError("load and unload take no parameters: they name a model the repository holds")
 
 
+# Decoding costs what the JSON text costs (binary tensors are views of the body, or one copy): about
+# 30 µs per KiB of tensors written as JSON lists (torch; numpy half that), so a JSON header of at most
+# this many bytes is decoded on the loop in about the time the hops to a thread and back take; longer
+# ones on the thread pool, so the loop never waits long on one. Outputs all sent in binary are one
+# copy each: written on the loop too.
+LOOP_JSON_BYTES = 4 << 10
+
+
 async def _infer(models: Models, name: str, version: str | None, request: Request) -> Response:
     start = time.perf_counter()
     service, serving = _serving(models, name, version)
     body = await request.body()
     header = request.headers.get(HEADER_LENGTH)
-    parsed = await run_in_threadpool(parse_infer_request, body, header, serving.model.manifest, service.codec)
+    manifest, codec = serving.model.manifest, service.codec
+    if _json_length(body, header) <= LOOP_JSON_BYTES:
+        parsed = parse_infer_request(body, header, manifest, codec)
+    else:
+        parsed = await run_in_threadpool(parse_infer_request, body, header, manifest, codec)
     outputs, variant, serving = await service.call(parsed.inputs, request)
-    response = await run_in_threadpool(infer_response, serving, outputs, parsed, service.codec)
+    if parsed.binary_only:
+        response = infer_response(serving, outputs, parsed, codec)
+    else:
+        response = await run_in_threadpool(infer_response, serving, outputs, parsed, codec)
     service.count_served(serving, variant, parsed.inputs, start)
     return response
+
+
+def _json_length(body: bytes, header_length: str | None) -> int:
+    """How many bytes of ``body`` are JSON (the header, with binary tensors after it)."""
+    if header_length is not None and header_length.isdigit():
+        return min(int(header_length), len(body))
+    return len(body)
+
+
+def infer_path(path: str) -> tuple[str, str | None] | None:
+    """The model and version (None: the newest) of an infer route's path, as FastAPI's routes
+    ``/v2/models/{name}/infer`` and ``/v2/models/{name}/versions/{version}/infer`` read it; None for
+    any other path."""
+    parts = path.split("/")
+    if len(parts) == 5 and parts[4] == "infer" and parts[3]:
+        version = None
+    elif len(parts) == 7 and parts[6] == "infer" and parts[4] == "versions" and parts[3] and parts[5]:
+        version = parts[5]
+    else:
+        return None
+    if parts[0] or parts[1] != "v2" or parts[2] != "models":
+        return None
+    return parts[3], version
+
+
+class InferFastPath:
+    """``POST /v2/models/{name}[/versions/{v}]/infer`` answered straight from the ASGI scope: the same
+    work (``_infer``) through the same exception policy (``models.answer``) as the FastAPI route,
+    without FastAPI's route matching over every route, its request wrapping and its dependency
+    machinery, which cost more than the rest of a small binary request. Mounted inside the body limit
+    (limits.py), so that applies as before; every other request goes on to ``app``. The route itself
+    stays: the OpenAPI schema lists it, and tests/test_oip.py checks both answer byte for byte alike."""
+
+    def __init__(self, app: Any, *, models: Models):
+        self.app = app
+        self.models = models
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        routed = scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path")
+        named = infer_path(scope["path"]) if routed else None
+        if named is None:
+            await self.app(scope, receive, send)
+            return
+        models = self.models
+        request = Request(scope, receive)
+        response = await models.answer(request, lambda: _infer(models, named[0], named[1], request))
+        await response(scope, receive, send)
 
 
 def _serving(models: Models, name: str, version: str | None) -> tuple[Service, Serving]:
@@ -255,6 +319,11 @@ class InferRequest:
         self.id = request_id
         self.wanted = wanted  # output name -> binary; None: every output
         self.binary_all = binary_all
+
+    @property
+    def binary_only(self) -> bool:
+        """Whether every output asked for is sent in binary (none as JSON lists)."""
+        return self.binary_all if self.wanted is None else all(self.wanted.values())
 
 
 def parse_infer_request(

@@ -71,6 +71,7 @@ class Service:
         # Set by a repository when it replaces this version: where calls still on their way here go.
         self.successor: Callable[[], Service] | None = None
         self._loader: threading.Thread | None = None
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # see _labelled
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -196,12 +197,20 @@ class Service:
     ) -> None:
         """Count one successful prediction (/predict, /v2 infer or gRPC ModelInfer): latency by
         variant, shape, and 200 (gRPC: OK)."""
-        labels = self.labels
-        self.metrics.latency.labels(*labels, variant, _precision(serving.model, variant)).observe(
-            time.perf_counter() - start
-        )
-        self.metrics.shapes.labels(*labels, shape_bucket(_dims(serving.model, inputs))).inc()
-        (self.metrics.grpc_requests if grpc else self.metrics.requests).labels(*labels, "OK" if grpc else "200").inc()
+        metrics, elapsed = self.metrics, time.perf_counter() - start
+        self._labelled(metrics.latency, variant, _precision(serving.model, variant)).observe(elapsed)
+        self._labelled(metrics.shapes, shape_bucket(_dims(serving.model, inputs))).inc()
+        (self._labelled(metrics.grpc_requests, "OK") if grpc else self._labelled(metrics.requests, "200")).inc()
+
+    def _labelled(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*self.labels, *values)``, looked up once: ``labels`` validates and takes a
+        lock on every call, a cost each request paid three times. The children are those the
+        registry holds anyway (variants, precisions, shape buckets, codes: a bounded set)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*self.labels, *values)
+        return child
 
     def count_refused(self, code: int | str, reason: str | None, *, grpc: bool = False) -> None:
         """Count one prediction request answered with ``code`` (an HTTP status; gRPC: a status code's
