@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -75,12 +74,7 @@ def serving(artifact: Path, *options: str, no_torch: bool = False, **env: str):
                 raise AssertionError(Path(log.name).read_text()[-3000:]) from None
             yield f"http://127.0.0.1:{port}", process.pid, Path(log.name)
         finally:
-            process.send_signal(signal.SIGTERM)  # a drain, then status 0
-            try:
-                process.wait(timeout=DEADLINE)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_server(process)  # SIGTERM: a drain, then status 0
         assert process.returncode == 0, Path(log.name).read_text()[-3000:]
 
 
@@ -159,6 +153,10 @@ def descendants(pid: int) -> list[int]:
 
 def test_several_native_workers_serve_without_torch(classifier_artifact, torch_server):
     with serving(classifier_artifact, "--runtime", "native", "--workers", "2") as (base, pid, _):
+        deadline, ready = time.monotonic() + DEADLINE, 0
+        while ready < 12:  # /readyz is the answering worker's: until new connections find both ready
+            assert time.monotonic() < deadline, "the workers did not all get ready"
+            ready = ready + 1 if httpx.get(f"{base}/readyz").status_code == 200 else 0
         ids, mask = call_inputs(7, 2, 12)
         for _ in range(4):  # the connections land on either worker
             assert predict(base, ids, mask).json() == predict(torch_server, ids, mask).json()
