@@ -216,6 +216,7 @@ def main() -> None:
 
     os.environ.update(serving_env(1))  # the in-process call gets the OpenMP settings the server gets
     sizes = {k: int(v) for k, v in (part.split("=") for part in args.shape.split(","))}
+    args.work.mkdir(parents=True, exist_ok=True)
     artifact = args.artifact or build_tiny(args.work)
     rows = [
         row
