@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import httpx
@@ -24,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import loader
 from precompile.cli import main
 from precompile.serve import predict_v2_pb2 as ours
+from tests.models import tiny
 from tests.test_serve_load import DEADLINE, free_port, serve_command
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
@@ -32,8 +31,6 @@ from tritonclient.grpc import service_pb2_grpc as triton_pb2_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 MODEL = "tiny-classifier"
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-import tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")
