@@ -432,14 +432,16 @@ def wait_ready(server: Server, timeout: float = 600) -> None:
     raise SystemExit(f"{server.label}: {server.base} not ready after {timeout:.0f} s (log: {server.log})")
 
 
-def stop_server(server: Server) -> None:
-    """SIGTERM, then the whole process group (workers, Triton's backend stubs) if it does not stop."""
-    server.process.send_signal(signal.SIGTERM)
+def stop_server(server: Server | subprocess.Popen) -> None:
+    """SIGTERM, then the whole process group (workers, Triton's backend stubs) if it does not stop
+    (a bench Server, or a server process other benches started: coldstart_native, repository_rss)."""
+    process = server.process if isinstance(server, Server) else server
+    process.send_signal(signal.SIGTERM)
     try:
-        server.process.wait(timeout=60)
+        process.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait()
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def batch_counts(server: Server, model: str) -> dict[str, float]:
