@@ -104,6 +104,7 @@ def test_the_extras_mean_something(wheel):
         "prometheus-client",
         "grpcio",
         "protobuf",
+        "httptools",
     }
     assert {"click", "pydantic", "pyyaml", "rich", "ruamel.yaml", "safetensors"} <= needs["build"]
     assert not needs["build"] & {"fastapi", "uvicorn"} and not needs["serve"] & {
