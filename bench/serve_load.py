@@ -465,26 +465,37 @@ def scrape(base: str) -> dict[str, float]:
 
 
 def process_cpu(pid: int) -> float | None:
-    """User + system CPU seconds of a process and its live children (``--workers``: uvicorn's worker
-    processes), from /proc (Linux)."""
+    """CPU seconds spent so far by the threads of a process and of its live children (``--workers``:
+    uvicorn's worker processes; Triton: its Python backend's stub), from /proc (Linux). Summed from
+    each thread's ``schedstat`` (nanoseconds), not from ``stat``'s clock ticks: a short level runs
+    for tens of milliseconds, a few ticks of 10 ms. A thread that exits takes its time with it, so the
+    difference of two readings undercounts a server that starts and stops threads per request (ours
+    and Triton's keep theirs)."""
 
-    def stat(p: int | str) -> list[str]:
-        return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+    def parent(p: str) -> int:
+        return int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    def threads_ns(p: int | str) -> int:
+        total = 0
+        for task in Path(f"/proc/{p}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # the thread exited meanwhile
+        return total
 
     try:
-        fields = stat(pid)
-    except (OSError, ValueError, IndexError):
+        total = threads_ns(pid)
+    except OSError:
         return None
-    total = int(fields[11]) + int(fields[12])
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                child = stat(entry.name)
-                if int(child[1]) == pid:  # field 4 of stat, the parent's pid
-                    total += int(child[11]) + int(child[12])
+                if parent(entry.name) == pid:
+                    total += threads_ns(entry.name)
             except (OSError, ValueError, IndexError):
                 continue
-    return total / os.sysconf("SC_CLK_TCK")
+    return total / 1e9
 
 
 def triton_stats(base: str, model: str) -> dict[str, float]:
