@@ -1,6 +1,8 @@
 """The vision suite: five kinds of convnet at any image size, against eager and the CPU peers.
 
     .venv/bin/python -m bench.vision [--models resnet50 mobilenet_v2 ...] [--seconds 1.0] [--out bench/results/vision.json]
+    .venv/bin/python -m bench.vision --work /work/benchart/vision --build-only    # build (and export ONNX) only
+    .venv/bin/python -m bench.vision --work /work/benchart/vision                # time what is built there
 
     resnet50         dense 3×3 and 1×1 convolutions (bottlenecks)
     mobilenet_v2     depthwise convolutions
@@ -10,13 +12,17 @@
 
 Each from its transformers config with random weights (``profiles/bench/models.py``), built from
 ``profiles/bench/vision_<model>.yaml``: one dynamic fp32 variant over batch 1-4 and 96-256 pixels a
-side. Timed, one method after another per shape, on the range's two ends, the variant's hint and two
-random shapes: fp32 eager, the artifact, ONNX Runtime, OpenVINO with its defaults (bf16 on CPUs with
-AMX) and OpenVINO f32, each checked against eager on the same inputs. Then, per model, the first call
-at shapes the artifact never met against the steady call (``bench.firstcall``). Prints and writes the
-median ms per shape, their sum and each method's ratio to ONNX Runtime.
+side, and its ONNX export for the peers. ``--work`` keeps both in ``DIR/<model>/`` and reuses any
+already there (an artifact with its manifest, a ``model.onnx``), so the builds can run on a busy
+machine (``--build-only``) and the timing alone on a quiet one. Timed per shape, interleaved: in
+each of ``--rounds`` rounds every method runs its share of calls in turn, so that a change in the
+machine's load falls on every method alike; on the range's two ends, the variant's hint and two
+random shapes: fp32 eager, the artifact, ONNX Runtime, OpenVINO with its defaults (bf16 on CPUs
+with AMX) and OpenVINO f32, each checked against eager on the same inputs. Then, per model, the
+first call at shapes the artifact never met against the steady call (``bench.firstcall``). Prints
+and writes the median ms per shape, their sum and each method's ratio to ONNX Runtime.
 
-Needs the bench extra (make venv-bench). Run it on a quiet machine: the builds take most of the time.
+Needs the bench extra (make venv-bench). Time it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import json
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -37,7 +45,7 @@ import torch
 from precompile.errors import PrecompileError
 
 from . import firstcall
-from .precision import PROFILES, ROOT, compared_methods, time_shapes
+from .precision import PROFILES, ROOT, artifact_methods, peer_methods
 
 MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y", "segformer")
 PEER = "ONNX Runtime (f32)"  # the ratios' reference
@@ -52,30 +60,92 @@ def suite_shapes(hint: dict[str, int], seed: int = 22) -> list[dict[str, int]]:
     return [{"batch": 1, "height": 96, "width": 96}, {"batch": 4, "height": 256, "width": 256}, dict(hint), *drawn]
 
 
-def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
-    """Build ``name``'s vision profile in ``work``, check and time its methods (the module docstring)."""
+def build_model(name: str, work: Path, log: Callable[[str], None]) -> tuple[Any, Path, float | None]:
+    """``name``'s artifact and ONNX export in ``work/<name>``, built unless already there: the built
+    artifact (its ``path`` and ``manifest``), the profile's path and the build's seconds (None: reused)."""
+    from loader.artifact import read_manifest
     from precompile.pipeline import build
-    from precompile.samples import make_inputs
+    from precompile.profile import load_profile
+    from precompile.stages.resolve import resolve_model
+
+    from .onnx_export import export_onnx
 
     folder = work / name
-    shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
-    profile_path = folder / f"vision_{name}.yaml"
-    start = time.perf_counter()
-    result = build(profile_path, folder / f"artifact-{name}")
-    build_s = time.perf_counter() - start
+    profile_path, artifact = folder / f"vision_{name}.yaml", folder / "artifact"
+    build_s = None
+    if (artifact / "manifest.json").is_file():
+        log(f"{name}: reusing the artifact built earlier in {artifact}")
+        result = SimpleNamespace(path=artifact, manifest=read_manifest(artifact))
+    else:
+        shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        start = time.perf_counter()
+        result = build(profile_path, artifact)
+        build_s = time.perf_counter() - start
+        log(f"{name}: built in {build_s:.0f} s")
+    onnx = folder / "model.onnx"
+    if not onnx.is_file():
+        loaded = load_profile(profile_path)
+        said = export_onnx(resolve_model(loaded), loaded.profile, onnx)
+        log(
+            f"{name}: ONNX export "
+            + (f"failed: {said['failed']}" if "failed" in said else f"in {said['seconds']:.0f} s")
+        )
+    return result, profile_path, build_s
+
+
+def interleaved_ms(methods: dict[str, Callable[[], Any]], seconds: float, rounds: int = 5) -> dict[str, float]:
+    """Each method's median ms per call, timed in ``rounds`` rounds of about ``seconds / rounds`` per
+    method each, one method after another within a round."""
+    per_call = {}
+    for label, fn in methods.items():  # warm, and learn how many calls fill a round
+        fn()
+        start = time.perf_counter()
+        fn()
+        per_call[label] = time.perf_counter() - start
+    times: dict[str, list[float]] = {label: [] for label in methods}
+    for _ in range(rounds):
+        for label, fn in methods.items():
+            for _ in range(max(1, min(200, int(seconds / rounds / max(per_call[label], 1e-6))))):
+                t = time.perf_counter()
+                fn()
+                times[label].append((time.perf_counter() - t) * 1000)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None], *, rounds: int = 5) -> dict[str, Any]:
+    """Build (or reuse) ``name``'s vision profile in ``work``, check and time its methods (the module docstring)."""
+    from precompile.profile import load_profile
+    from precompile.samples import make_inputs
+    from precompile.stages.resolve import resolve_model
+
+    result, profile_path, build_s = build_model(name, work, log)
     (variant,) = [v for v in result.manifest.variants if v.kind == "dynamic" and v.precision == "fp32"]
-    log(f"{name}: built in {build_s:.0f} s, hint {variant.hint}")
-    loaded, methods, engines, threads = compared_methods(name, result, profile_path, log)
-    profile, eager = loaded.profile, methods["eager fp32"]
+    loaded = load_profile(profile_path)
+    profile, model = loaded.profile, resolve_model(loaded)
+    threads = torch.get_num_threads()
+
+    def eager(args: tuple) -> torch.Tensor:
+        with torch.no_grad():
+            return model(*args)
+
+    methods: dict[str, Callable[[tuple], torch.Tensor]] = {"eager fp32": eager, **artifact_methods(result)}
+    engines: dict[str, Any] = {}
+    onnx = profile_path.parent / "model.onnx"
+    if onnx.is_file():
+        peers, engines = peer_methods(str(onnx), list(profile.inputs), threads)
+        methods.update(peers)
+    else:
+        log(f"{name}: no ONNX export (see {onnx.with_suffix('.log')}): peers skipped")
 
     shapes = suite_shapes(variant.hint)
     error: dict[str, float] = {}
     failed: dict[str, str] = {}
-    for i, sizes in enumerate(shapes):  # each method against eager, on the timed inputs
+    rows = []
+    for i, sizes in enumerate(shapes):
         args = make_inputs(profile, sizes, seed=100 + i)
         want = eager(args)
         scale = float(want.abs().max())
-        for label, fn in list(methods.items()):
+        for label, fn in list(methods.items()):  # each method against eager, on the timed inputs
             try:
                 got = fn(args)
             except Exception as e:  # a peer refusing a shape (OpenVINO: EfficientNet's 1280² pool) is its result
@@ -84,8 +154,11 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None])
                 del methods[label]
                 continue
             error[label] = max(error.get(label, 0.0), float((got - want).abs().max()) / scale)
-    rows = time_shapes(profile, shapes, methods, seconds, log)
-    totals = {label: sum(r[label] for r in rows) for label in methods}
+        row: dict[str, Any] = {"dims": sizes}
+        row.update(interleaved_ms({k: (lambda f=f: f(args)) for k, f in methods.items()}, seconds, rounds))
+        rows.append(row)
+        log(f"  {sizes}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "dims"))
+    totals = {label: sum(r[label] for r in rows if label in r) for label in methods}
     first = firstcall.measure([result.path], shapes=2, repeat=max(3, int(10 * seconds)))
     log(firstcall.report(first))
     return {
@@ -123,17 +196,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per method per shape")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds the timing per shape is interleaved in")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vision.json")
+    parser.add_argument("--work", type=Path, help="build into (and reuse builds from) this folder, not a temporary one")
+    parser.add_argument("--build-only", action="store_true", help="with --work: build and export, time nothing")
     args = parser.parse_args()
+    if args.build_only and not args.work:
+        parser.error("--build-only needs --work (the folder the timing run reads the builds from)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    log = lambda s: print(s, flush=True)  # noqa: E731
     results = []
     with tempfile.TemporaryDirectory(prefix="vision-bench-") as tmp:
+        work = args.work or Path(tmp)
         for name in args.models:
             try:
-                results.append(run_model(name, Path(tmp), args.seconds, lambda s: print(s, flush=True)))
+                if args.build_only:
+                    build_model(name, work, log)
+                else:
+                    results.append(run_model(name, work, args.seconds, log, rounds=args.rounds))
             except PrecompileError as e:  # one model that does not build leaves the others to run
                 print(f"{name}: failed: {e}", flush=True)
                 results.append({"model": name, "failed": str(e)})
+    if args.build_only:
+        return
     print(summary(results))
     args.out.write_text(
         json.dumps({"results": results, "cpu": torch.cpu.get_capabilities().get("cpu_name")}, indent=2) + "\n"

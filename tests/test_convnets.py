@@ -17,7 +17,7 @@ import torch._inductor
 from torch import nn
 
 import loader
-from precompile.passes import convnets
+from precompile.passes import convnets, prepack
 from precompile.pipeline import build
 
 from .conftest import write_profile
@@ -286,3 +286,23 @@ def test_warm_thread_warms_each_thread_once(gray):
             ran[current] += 1
     assert ran["main"] == 0  # load() warmed the main thread up: nothing runs again
     assert ran["new thread"] == 5  # the fp32 variant's five convolutions, once
+
+
+def test_a_weight_is_packed_only_if_onednn_lays_it_out_alike_at_every_size_of_the_range():
+    # oneDNN's cost model picks this convolution's blocking by size and thread count: on a 2-core
+    # AVX-512 host it wants another layout only at 28² with a batch of 2 to 4, which the range's
+    # corners and middle miss. The pass probes every size the input takes.
+    conv = nn.Conv2d(128, 128, 3, stride=2, padding=1)
+    dims = {0: torch.export.Dim("batch", min=1, max=4), 2: torch.export.Dim("height", min=24, max=40),
+            3: torch.export.Dim("width", min=24, max=40)}  # fmt: skip
+    ep = export(conv, torch.randn(2, 128, 32, 32), dims)
+    (x,) = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name == ep.graph_signature.user_inputs[0]]
+    probed = [tuple(size) for size in prepack.probe_sizes(x.meta["val"].shape)]
+    every = {(n, 128, h, w) for n in range(1, 5) for h in range(24, 41) for w in range(24, 41)}
+    assert probed[0] == (2, 128, 32, 32) and set(probed) == every  # the hint first, then every size
+
+    def pack(size: list[int]) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_convolution_weight(conv.weight.detach(), [1, 1], [2, 2], [1, 1], 1, size)
+
+    layouts = {prepack.layout(pack(list(size))) for size in every}
+    assert prepack.varies(pack, [list(p) for p in probed]) == (len(layouts) > 1)

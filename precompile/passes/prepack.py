@@ -17,7 +17,8 @@ weight packed for 2×157²: 914 ms a call on a busy host, against 34 ms eager).
 ``PrepackConvolutions`` is an Inductor ``post_grad_custom_pre_pass`` (it runs after freezing, before
 the fusions): each such convolution whose weight is a frozen constant gets that weight packed for the
 variant's hint shape (the sizes the program was exported with), as a new constant, when oneDNN asks
-for the same format at the range's corners, its middle and the hint:
+for the same format at every size the convolution's input takes over the variant's ranges (all of
+them up to ``MAX_PROBES``, evenly spread past it):
 
     configs["post_grad_custom_pre_pass"] = PrepackConvolutions()   # stages.compile, when freezing
 
@@ -35,16 +36,22 @@ Left as they are (plain weights, reordered per call by oneDNN's jitted reorder):
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Iterable, Iterator
 from itertools import product
+from math import prod
 from operator import attrgetter
 from typing import Any
 
+import sympy
 import torch
 from torch._inductor.constant_folding import replace_node_with_constant
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import has_free_symbols, optimization_hint
 
 CONVOLUTION = torch.ops.mkldnn._convolution_pointwise.default
+# Input sizes probed per convolution at most (about 0.5 ms each on a busy 2-core host): ResNet-50's
+# stage-one convolutions take 4 × 41 × 41 sizes over batch 1-4 and 96-256² images, all probed.
+MAX_PROBES = 8192
 
 
 class PrepackConvolutions(CustomGraphPass):
@@ -52,17 +59,20 @@ class PrepackConvolutions(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
+        seen: dict[tuple[Any, ...], bool] = {}  # a network's repeated blocks ask the same question
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target is CONVOLUTION:
-                if _left_because(gm, node) is None:
+                if _left_because(gm, node, seen) is None:
                     _pack(gm, node)
 
     def uuid(self) -> Any:
         return get_hash_for_files((__file__,))  # Inductor's cache keys on this: a change here recompiles
 
 
-def _left_because(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
-    """Why ``node``'s weight stays as it is, or None when it gets packed."""
+def _left_because(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: dict[tuple[Any, ...], bool]) -> str | None:
+    """Why ``node``'s weight stays as it is, or None when it gets packed. ``seen``: whether the format
+    varies, per convolution already probed in this graph (the layout depends on the weight's shape
+    and dtype, the convolution's arguments and the input's sizes, never on the weight's values)."""
     x, weight = node.args[0], node.args[1]
     val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor) or not has_free_symbols(val.shape):
@@ -75,31 +85,83 @@ def _left_because(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
     groups = node.args[6]
     if w.size(1) * groups == 1:
         return "one input channel"
-    if len({_layout(_reorder(w, node, size)) for size in _probe_sizes(val.shape)}) > 1:
+    key = (tuple(w.shape), w.dtype, *map(str, node.args[3:7]), *(str(s) for s in val.shape))
+    if key not in seen:
+        seen[key] = varies(lambda size: _reorder(w, node, size), probe_sizes(val.shape))
+    if seen[key]:
         return "format varies with the size"
     return None
 
 
-def _probe_sizes(shape: Any) -> list[list[int]]:
-    """The convolution's input sizes when the graph's inputs are at the hint, at each corner of their
-    ranges (every symbol at its least or greatest) and in the middle of them."""
-    exprs = [s.node.expr if isinstance(s, torch.SymInt) else s for s in shape]
+def varies(pack: Callable[[list[int]], torch.Tensor], sizes: Iterable[list[int]]) -> bool:
+    """Whether ``pack`` lays a weight out differently for any of ``sizes`` (stops at the first that
+    differs from the first size's)."""
+    first = None
+    for size in sizes:
+        bytes_ = layout(pack(size))
+        if first is None:
+            first = bytes_
+        elif bytes_ != first:
+            return True
+    return False
+
+
+def probe_sizes(shape: Any) -> Iterator[list[int]]:
+    """The convolution's input sizes to ask oneDNN about: the hint first, then every size the input
+    takes over the ranges of the graph's inputs (each dim is a function of its own symbols: its
+    distinct values, times the other dims'), spread evenly over them past ``MAX_PROBES``. Corners
+    and a middle are not enough: oneDNN picks ResNet-50's 128×128 3×3 stride-2 blocking by a cost
+    model that wants another layout only at 28² with a batch of 2 to 4 (module docstring)."""
+    exprs = [s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s) for s in shape]
     env = next(s.node.shape_env for s in shape if isinstance(s, torch.SymInt))
-    symbols = sorted({f for e in exprs if hasattr(e, "free_symbols") for f in e.free_symbols}, key=str)
-    # A dim declared from 1 has the range [2, max] in the graph (torch.export specializes 0 and 1): probe 1 too.
-    ranges = [_ends(env.var_to_range[f]) for f in symbols]
-    points = [[optimization_hint(s) for s in shape]]
-    for corner in [*product(*ranges), tuple((r[0] + r[-1]) // 2 for r in ranges)]:
-        values = dict(zip(symbols, corner))
-        points.append([int(e.xreplace(values)) if hasattr(e, "xreplace") else int(e) for e in exprs])
-    return [list(p) for p in dict.fromkeys(tuple(p) for p in points)]
+    yield [optimization_hint(s) for s in shape]
+    groups: list[tuple[list[int], list[tuple[int, ...]]]] = []  # (dims, their distinct values) per symbol set
+    for symbols in _symbol_sets(exprs):
+        dims = [i for i, e in enumerate(exprs) if e.free_symbols and e.free_symbols <= symbols]
+        ordered = sorted(symbols, key=str)
+        values = [_values(env.var_to_range[f]) for f in ordered]
+        seen = {
+            tuple(int(exprs[i].xreplace(dict(zip(ordered, point)))) for i in dims): None for point in product(*values)
+        }
+        groups.append((dims, list(seen)))
+    while prod(len(v) for _, v in groups) > MAX_PROBES:  # the longest list halved, its ends kept
+        k = max(range(len(groups)), key=lambda j: len(groups[j][1]))
+        groups[k] = (groups[k][0], _spread(groups[k][1], (len(groups[k][1]) + 1) // 2))
+    for combination in product(*(v for _, v in groups)):
+        size = [int(e) if not e.free_symbols else 0 for e in exprs]
+        for (dims, _), values in zip(groups, combination):
+            for i, n in zip(dims, values):
+                size[i] = n
+        yield size
 
 
-def _ends(r: Any) -> tuple[int, ...]:
-    """A range's ends to probe; a dim without a maximum is probed at its least value (and the hint)."""
+def _symbol_sets(exprs: list[Any]) -> list[set[Any]]:
+    """The free symbols of ``exprs``, grouped so that no dim's symbols straddle two groups."""
+    sets: list[set[Any]] = []
+    for e in exprs:
+        joined = set(e.free_symbols)
+        for s in [s for s in sets if s & joined]:
+            joined |= s
+            sets.remove(s)
+        if joined:
+            sets.append(joined)
+    return sets
+
+
+def _values(r: Any) -> list[int]:
+    """A symbol's values to probe: all of its range; one without a maximum at its least value (and
+    the hint). A dim declared from 1 has the range [2, max] in the graph (torch.export specializes 0
+    and 1): 1 too."""
     lo = int(r.lower)  # a size's least value is always known (0, 1 or 2 unless declared)
-    hi = (int(r.upper),) if r.upper.is_finite else ()
-    return ((1,) if lo == 2 else ()) + (lo, *hi)
+    start = 1 if lo == 2 else lo
+    return list(range(start, int(r.upper) + 1)) if r.upper.is_finite else [start, lo]
+
+
+def _spread(values: list[Any], k: int) -> list[Any]:
+    """``k`` of ``values`` evenly spread, the first and last among them."""
+    if len(values) <= k:
+        return values
+    return [values[round(i * (len(values) - 1) / (k - 1))] for i in range(k)]
 
 
 def _reorder(w: torch.Tensor, node: torch.fx.Node, size: list[int]) -> torch.Tensor:
@@ -109,7 +171,7 @@ def _reorder(w: torch.Tensor, node: torch.fx.Node, size: list[int]) -> torch.Ten
     return torch.ops.mkldnn._reorder_convolution_weight(w, padding, stride, dilation, groups, size)
 
 
-def _layout(packed: torch.Tensor) -> bytes:
+def layout(packed: torch.Tensor) -> bytes:
     """A packed tensor's bytes as oneDNN laid them out: equal for two packings of one weight exactly
     when their formats agree (oneDNN's serialized descriptor also holds shape-dependent fields that
     ideep does not compare: a bf16 weight packed for 28² serves 16² and 48² without a reorder)."""
