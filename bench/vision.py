@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.vision [--models resnet50 mobilenet_v2 ...] [--seconds 1.0] [--out bench/results/vision.json]
     .venv/bin/python -m bench.vision --work /work/benchart/vision --build-only    # build (and export ONNX) only
     .venv/bin/python -m bench.vision --work /work/benchart/vision                # time what is built there
+    .venv/bin/python -m bench.vision --work /work/benchart/vision --reorders     # oneDNN reorders per call
 
     resnet50         dense 3×3 and 1×1 convolutions (bottlenecks)
     mobilenet_v2     depthwise convolutions
@@ -21,6 +22,11 @@ random shapes: fp32 eager, the artifact, ONNX Runtime, OpenVINO with its default
 with AMX) and OpenVINO f32, each checked against eager on the same inputs. Then, per model, the
 first call at shapes the artifact never met against the steady call (``bench.firstcall``). Prints
 and writes the median ms per shape, their sum and each method's ratio to ONNX Runtime.
+
+``--reorders``: what does not depend on the machine's load: per model and shape, the reorders oneDNN
+runs in one steady call of the artifact (``ONEDNN_VERBOSE``, a fresh process per artifact, the
+second call of each shape), those from a plain weight (oneDNN's jitted reorder) and those from a
+weight packed in another layout (its slow ``simple:any``, which ``precompile.passes.prepack`` avoids).
 
 Needs the bench extra (make venv-bench). Time it on a quiet machine.
 """
@@ -175,6 +181,56 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None],
     }
 
 
+# Loads an artifact under ONEDNN_VERBOSE and calls it twice per shape between markers.
+CALLS = """
+import json, sys, torch, loader
+model = loader.load(sys.argv[1], precision="fp32")
+for i, sizes in enumerate(json.loads(sys.argv[2])):
+    x = torch.randn(sizes["batch"], 3, sizes["height"], sizes["width"])
+    for call in range(2):
+        print(f"=== {i} {call}", flush=True)
+        model(x)
+print("=== end", flush=True)
+"""
+PLAIN_TAGS = ("abcd", "acdb", "abcde", "acdeb")  # a weight (or image) in torch's own layouts
+
+
+def onednn_reorders(artifact: Path, shapes: list[dict[str, int]]) -> list[dict[str, Any]]:
+    """Per shape, the reorders oneDNN ran in the steady (second) call: from a plain layout and from
+    a packed one, and each one's dims."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    run = subprocess.run(
+        [sys.executable, "-c", CALLS, str(artifact), json.dumps(shapes)],
+        env=env, capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    current = None
+    for line in run.stdout.splitlines():
+        if line.startswith("=== "):
+            i, call = (line[4:].split() + [""])[:2]
+            current = None
+            if call == "1":
+                current = {"dims": shapes[int(i)], "from_plain": [], "from_packed": []}
+                rows.append(current)
+        elif current is not None and ",exec,cpu,reorder," in line:
+            fields = line.split(",")
+            src = next((f.split()[0] for f in fields if f.startswith("src:")), "")
+            kind = "from_plain" if src.split(":")[4] in PLAIN_TAGS else "from_packed"
+            current[kind].append(fields[-2])
+    return rows
+
+
+def reorders_report(name: str, rows: list[dict[str, Any]]) -> str:
+    lines = [f"{name}: oneDNN reorders in one steady call (from a plain layout / from a packed one)"]
+    for r in rows:
+        dims = " ".join(f"{d}={n}" for d, n in r["dims"].items())
+        lines.append(f"  {dims:<32} {len(r['from_plain']):4d} / {len(r['from_packed']):d}")
+    return "\n".join(lines)
+
+
 def summary(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
@@ -200,9 +256,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vision.json")
     parser.add_argument("--work", type=Path, help="build into (and reuse builds from) this folder, not a temporary one")
     parser.add_argument("--build-only", action="store_true", help="with --work: build and export, time nothing")
+    parser.add_argument("--reorders", action="store_true", help="with --work: oneDNN's reorders per call, no timing")
     args = parser.parse_args()
-    if args.build_only and not args.work:
-        parser.error("--build-only needs --work (the folder the timing run reads the builds from)")
+    if (args.build_only or args.reorders) and not args.work:
+        parser.error("--build-only and --reorders need --work (the folder the builds are kept in)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     log = lambda s: print(s, flush=True)  # noqa: E731
     results = []
@@ -212,12 +269,23 @@ def main() -> None:
             try:
                 if args.build_only:
                     build_model(name, work, log)
+                elif args.reorders:
+                    result, _, _ = build_model(name, work, log)
+                    (v,) = [v for v in result.manifest.variants if v.kind == "dynamic" and v.precision == "fp32"]
+                    rows = onednn_reorders(result.path, suite_shapes(v.hint))
+                    log(reorders_report(name, rows))
+                    results.append({"model": name, "reorders": rows})
                 else:
                     results.append(run_model(name, work, args.seconds, log, rounds=args.rounds))
             except PrecompileError as e:  # one model that does not build leaves the others to run
                 print(f"{name}: failed: {e}", flush=True)
                 results.append({"model": name, "failed": str(e)})
     if args.build_only:
+        return
+    if args.reorders:
+        out = args.out.with_name("vision-reorders.json") if args.out.name == "vision.json" else args.out
+        out.write_text(json.dumps({"results": results}, indent=2) + "\n")
+        print(f"\nwrote {out}")
         return
     print(summary(results))
     args.out.write_text(

@@ -3,6 +3,8 @@
 - ``MANAGED``: options precompile sets itself; a profile may not override them (with the reason why).
 - ``WEIGHTS_OUT``: how a package is compiled with its weights kept out of the shared library.
 - ``DEFAULTS``: what every build starts from (a profile's ``compile.inductor`` overrides them).
+- ``KIND_DEFAULTS``: what a model of one kind (``passes.convnets.model_kind``) gets where nothing
+  else set the option (``with_kind_defaults``, applied to a unit's options when it compiles).
 - ``LOWER_PRECISION``: what every bf16/int8 variant compiles with, over the profile's first candidate.
 - ``PRESETS``: the named candidate lists ``compile.tune.preset`` can ask for (README: Choosing compile options).
 - ``ISA_OPTIONS``: what a variant built for one x86-64 level (the profile's ``cpu.isa``) compiles with, last.
@@ -37,6 +39,15 @@ DEFAULTS: dict[str, Any] = {
     "cpp.dynamic_threads": True,
 }
 
+# Per model kind, filled in under a unit's options where neither the defaults, the profile
+# (compile.inductor, a tuning candidate), its precision nor its ISA level set the option.
+# - convnet: freezing, so that every convolution runs on a weight oneDNN does not re-lay out at each
+#   call: packed by Inductor with static sizes, by precompile.passes.prepack with dynamic ones (where
+#   oneDNN keeps one layout over the range). Unfrozen, every weight is reordered at every call
+#   (ResNet-50, batch 1-4 at 96-256²: 53 weight reorders a call unfrozen, 25 frozen, under ONEDNN_VERBOSE).
+# - other (transformers): nothing; freezing measured no help on MiniLM (152 against 148 ms).
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {"convnet": {"freezing": True}, "other": {}}
+
 # Freezing turns the quantized or bf16 weights into oneDNN's prepacked kernels.
 LOWER_PRECISION: dict[str, Any] = {"freezing": True}
 
@@ -64,6 +75,11 @@ def unit_options(candidate: dict[str, Any], precision: str = "fp32", isa: str | 
     merged with one tuning candidate), then what a lower precision needs, then its ISA level's."""
     lower = LOWER_PRECISION if precision != "fp32" else {}
     return {**DEFAULTS, **candidate, **lower, **ISA_OPTIONS.get(isa or "", {})}
+
+
+def with_kind_defaults(options: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``options`` with what ``KIND_DEFAULTS`` gives a model of ``kind`` where they say nothing."""
+    return {**KIND_DEFAULTS.get(kind, {}), **options}
 
 
 def options_label(options: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ import torch._inductor
 from torch import nn
 
 import loader
+from precompile.options import unit_options, with_kind_defaults
 from precompile.passes import convnets, prepack
 from precompile.pipeline import build
 
@@ -53,7 +54,10 @@ def matches_eager(artifact: Path, model: nn.Module, shape: tuple[int, ...]) -> N
 
 
 def test_efficientnet_pools_with_a_mean_over_any_image_size(tmp_path):
-    artifact = build(profile(tmp_path, IMAGES.format(name="efficientnet", lo=32, hi=96)), tmp_path / "artifact").path
+    result = build(profile(tmp_path, IMAGES.format(name="efficientnet", lo=32, hi=96)), tmp_path / "artifact")
+    artifact = result.path
+    # No compile section: a convnet is frozen by default (its weights packed, inside its package).
+    assert [v.embedded_constants for v in result.manifest.variants] == [True]
     kernels = set(re.findall(r"void\s+(cpp_fused_\w+)\(", generated_code(artifact)))
     assert kernels and not [k for k in kernels if "avg_pool2d" in k]  # no loop over the 64×64 window
     assert [k for k in kernels if "mean" in k]
@@ -306,3 +310,25 @@ def test_a_weight_is_packed_only_if_onednn_lays_it_out_alike_at_every_size_of_th
 
     layouts = {prepack.layout(pack(list(size))) for size in every}
     assert prepack.varies(pack, [list(p) for p in probed]) == (len(layouts) > 1)
+
+
+class PatchedEncoder(nn.Module):
+    """ViT's shape: one convolution cuts the image into patches, dense layers do the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 4, stride=4)
+        self.layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.layers(self.patch(x).flatten(2).transpose(1, 2))
+
+
+def test_a_convnet_compiles_frozen_unless_its_profile_says_otherwise():
+    x = torch.randn(2, 1, 32, 32)
+    assert convnets.model_kind(export(tiny.gray_net(), x, None)) == "convnet"
+    assert convnets.model_kind(export(PatchedEncoder(), x.expand(2, 3, 32, 32), None)) == "other"
+    assert with_kind_defaults(unit_options({}), "convnet")["freezing"] is True
+    assert "freezing" not in with_kind_defaults(unit_options({}), "other")
+    assert with_kind_defaults(unit_options({"freezing": False}), "convnet")["freezing"] is False
+    assert with_kind_defaults(unit_options({}, isa="x86-64-v3"), "convnet")["freezing"] is False  # portable: unfrozen

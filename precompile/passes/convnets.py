@@ -5,6 +5,7 @@ to every package just before AOTInductor compiles it, and a translation of the l
 second one avoids, should it show up elsewhere:
 
     done = rewrite(ep)                      # [Rewrite("global_avg_pool", ...), Rewrite("copy_conv_input", ...)]
+    model_kind(ep)                          # "convnet": what options.KIND_DEFAULTS compiles it with
     message = explain_failure(e, ep, [["batch", 3, "height", "width"]])   # None if not a lowering failure
 
 - **A global average pool written as a huge pooling window.** transformers' EfficientNet (and ALIGN)
@@ -42,6 +43,9 @@ CONVOLUTIONS = {
     aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d,
 }  # fmt: skip
 
+# Dense layers and matrix products, against which convolutions are counted (``model_kind``).
+PRODUCTS = {aten.linear, aten.addmm, aten.mm, aten.bmm, aten.matmul, aten.baddbmm}
+
 UPSTREAM_SEGFORMER = "docs/upstream/inductor-segformer-dynamic.md"
 
 # What a replacement node keeps of the node it replaces: its value (shape, dtype) and where it came from.
@@ -55,6 +59,20 @@ class Rewrite:
     kind: str
     node: str  # the graph node rewritten
     where: str  # ``file.py:461 in __init__``-style line of the model's code, or ""
+
+
+def model_kind(ep: ExportedProgram) -> str:
+    """``"convnet"`` where the graph holds more convolutions than dense layers and matrix products
+    (ResNet, MobileNet, EfficientNet, RegNet), else ``"other"`` (transformers, ViT and Segformer
+    among them): the kind ``options.KIND_DEFAULTS`` names."""
+    counts = {"conv": 0, "product": 0}
+    for node in ep.graph.nodes:
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet in CONVOLUTIONS:
+            counts["conv"] += 1
+        elif packet in PRODUCTS:
+            counts["product"] += 1
+    return "convnet" if counts["conv"] > counts["product"] else "other"
 
 
 def rewrite(ep: ExportedProgram) -> list[Rewrite]:

@@ -23,7 +23,7 @@ from loader.aoti import open_package
 
 from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
-from ..options import WEIGHTS_OUT, embeds_constants, prepacks_convolutions
+from ..options import WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
 from ..passes import convnets
 from ..units import CompiledPackage
 
@@ -49,6 +49,7 @@ def compile_package(
 
     from ..passes.prepack import PrepackConvolutions  # imports torch._inductor too
 
+    options = with_kind_defaults(options, convnets.model_kind(ep))  # convnets: frozen unless told otherwise
     embedded = embeds_constants(options, device)
     configs = {**options} if embedded else {**options, **WEIGHTS_OUT}
     if prepacks_convolutions(options, device):  # Inductor packs only static ones (precompile.passes.prepack)
