@@ -9,10 +9,21 @@ every weight of the network (about 100 MB a call for ResNet-50 in fp32).
 A weight packed for one size does not serve every size as it is: ideep asks oneDNN, at each call, for
 the weight format the kernel for that call's shape wants, and reorders a packed weight that differs.
 For one ISA that format is often the same across sizes, and often not: oneDNN 3.12's brgemm kernels
-block ResNet-50's weights by the image size for 20 of its 53 convolutions, and a packed weight in the
-wrong blocking is reordered per call by oneDNN's generic ``simple:any`` reorder, ~10 ms for a
-1024×256 weight, far slower than the plain weight's jitted one (ResNet-50 fp32 at 1×96², every
-weight packed for 2×157²: 914 ms a call on a busy host, against 34 ms eager).
+pick the output-channel blocking (``Acdb48a`` or ``Acdb64a`` in fp32 on AVX-512) by a cost model
+over the batch, the image size and the thread count, for 25 of ResNet-50's 53 convolutions over
+batch 1-4 and 96-256² (19 of MobileNetV2's 52), and a packed weight in the wrong blocking is
+reordered per call by oneDNN's generic ``simple:any`` reorder, ~10 ms for a 1024×256 weight, far
+slower than the plain weight's jitted one (ResNet-50 fp32 at 1×96², every weight packed for 2×157²:
+914 ms a call on a busy host, against 34 ms eager).
+
+That choice is not monotone in any size (ResNet-50's 128×128 3×3 stride-2 convolution wants the
+other blocking only at 28² with a batch of 2-4; a 512×128 1×1 one flips back and forth along the
+image side), so no split of a range into a few variants makes every convolution's layout agree:
+cut into 16 sub-ranges (each batch × height and width halves), 5-19 of ResNet-50's convolutions
+still vary within one (MobileNetV2: 7-15), and each frozen variant carries its own weights (~100 MB
+for ResNet-50) and compile. The planner therefore does not split for layouts; the convolutions that
+vary keep a plain weight. The layouts are the build host's: those found constant at 2 threads were
+the same at 1 (ResNet-50); a serving host with many more threads than the build's may want others.
 
 ``PrepackConvolutions`` is an Inductor ``post_grad_custom_pre_pass`` (it runs after freezing, before
 the fusions): each such convolution whose weight is a frozen constant gets that weight packed for the
