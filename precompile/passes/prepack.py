@@ -130,14 +130,12 @@ def probe_sizes(shape: Any) -> Iterator[list[int]]:
     for symbols in _symbol_sets(exprs):
         dims = [i for i, e in enumerate(exprs) if e.free_symbols and e.free_symbols <= symbols]
         ordered = sorted(symbols, key=str)
-        values = [_values(env.var_to_range[f]) for f in ordered]
+        values = _within_budget([_values(env.var_to_range[f]) for f in ordered])  # a dim of several symbols
         seen = {
             tuple(int(exprs[i].xreplace(dict(zip(ordered, point)))) for i in dims): None for point in product(*values)
         }
         groups.append((dims, list(seen)))
-    while prod(len(v) for _, v in groups) > MAX_PROBES:  # the longest list halved, its ends kept
-        k = max(range(len(groups)), key=lambda j: len(groups[j][1]))
-        groups[k] = (groups[k][0], _spread(groups[k][1], (len(groups[k][1]) + 1) // 2))
+    groups = [(dims, v) for (dims, _), v in zip(groups, _within_budget([v for _, v in groups]))]
     for combination in product(*(v for _, v in groups)):
         size = [int(e) if not e.free_symbols else 0 for e in exprs]
         for (dims, _), values in zip(groups, combination):
@@ -166,6 +164,16 @@ def _values(r: Any) -> list[int]:
     lo = int(r.lower)  # a size's least value is always known (0, 1 or 2 unless declared)
     start = 1 if lo == 2 else lo
     return list(range(start, int(r.upper) + 1)) if r.upper.is_finite else [start, lo]
+
+
+def _within_budget(lists: list[list[Any]]) -> list[list[Any]]:
+    """``lists``, the longest halved (evenly spread, its ends kept) until their product of lengths,
+    the sizes they make, is at most ``MAX_PROBES``."""
+    lists = list(lists)
+    while prod(len(v) for v in lists) > MAX_PROBES:
+        k = max(range(len(lists)), key=lambda j: len(lists[j]))
+        lists[k] = _spread(lists[k], (len(lists[k]) + 1) // 2)
+    return lists
 
 
 def _spread(values: list[Any], k: int) -> list[Any]:
