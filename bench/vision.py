@@ -25,8 +25,9 @@ and writes the median ms per shape, their sum and each method's ratio to ONNX Ru
 
 ``--reorders``: what does not depend on the machine's load: per model and shape, the reorders oneDNN
 runs in one steady call of the artifact (``ONEDNN_VERBOSE``, a fresh process per artifact, the
-second call of each shape), those from a plain weight (oneDNN's jitted reorder) and those from a
-weight packed in another layout (its slow ``simple:any``, which ``precompile.passes.prepack`` avoids).
+second call of each shape): to a blocked layout (plain weights, and images some kernels want
+blocked), back to a plain one, and from one blocking to another (a weight packed for other sizes,
+re-laid by oneDNN's slow ``simple:any``: ``precompile.passes.prepack`` must leave none).
 
 Needs the bench extra (make venv-bench). Time it on a quiet machine.
 """
@@ -192,12 +193,24 @@ for i, sizes in enumerate(json.loads(sys.argv[2])):
         model(x)
 print("=== end", flush=True)
 """
-PLAIN_TAGS = ("abcd", "acdb", "abcde", "acdeb")  # a weight (or image) in torch's own layouts
+PLAIN_TAGS = {
+    "a",
+    "ab",
+    "abc",
+    "abcd",
+    "abcde",
+    "acb",
+    "acdb",
+    "acdeb",
+    "abdec",
+}  # torch's own layouts (abdec: a channels-last grouped weight)
 
 
 def onednn_reorders(artifact: Path, shapes: list[dict[str, int]]) -> list[dict[str, Any]]:
-    """Per shape, the reorders oneDNN ran in the steady (second) call: from a plain layout and from
-    a packed one, and each one's dims."""
+    """Per shape, the reorders oneDNN ran in the steady (second) call, by the layouts they go from and
+    to (each one's dims): ``to_blocked`` from torch's own layouts (a plain weight, or an image, laid
+    out for a kernel), ``to_plain`` (an image handed back), ``blocked_to_blocked`` (a weight packed
+    in one blocking re-laid in another: what ``precompile.passes.prepack`` must never leave)."""
     import subprocess
     import sys
 
@@ -213,21 +226,26 @@ def onednn_reorders(artifact: Path, shapes: list[dict[str, int]]) -> list[dict[s
             i, call = (line[4:].split() + [""])[:2]
             current = None
             if call == "1":
-                current = {"dims": shapes[int(i)], "from_plain": [], "from_packed": []}
+                current = {"dims": shapes[int(i)], "to_blocked": [], "to_plain": [], "blocked_to_blocked": []}
                 rows.append(current)
         elif current is not None and ",exec,cpu,reorder," in line:
             fields = line.split(",")
-            src = next((f.split()[0] for f in fields if f.startswith("src:")), "")
-            kind = "from_plain" if src.split(":")[4] in PLAIN_TAGS else "from_packed"
+            layouts = next(f for f in fields if f.startswith("src:")).split()  # "src:f32::blocked:abcd::f0 dst:..."
+            src, dst = (part.split(":")[4] in PLAIN_TAGS for part in layouts[:2])
+            kind = "to_blocked" if src and not dst else "to_plain" if dst else "blocked_to_blocked"
             current[kind].append(fields[-2])
     return rows
 
 
 def reorders_report(name: str, rows: list[dict[str, Any]]) -> str:
-    lines = [f"{name}: oneDNN reorders in one steady call (from a plain layout / from a packed one)"]
+    lines = [
+        f"{name}: oneDNN reorders in one steady call: to a blocked layout / back to a plain one / blocked to blocked"
+    ]
     for r in rows:
         dims = " ".join(f"{d}={n}" for d, n in r["dims"].items())
-        lines.append(f"  {dims:<32} {len(r['from_plain']):4d} / {len(r['from_packed']):d}")
+        lines.append(
+            f"  {dims:<32} {len(r['to_blocked']):4d} / {len(r['to_plain']):d} / {len(r['blocked_to_blocked']):d}"
+        )
     return "\n".join(lines)
 
 
