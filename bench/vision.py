@@ -13,12 +13,13 @@
 
 Each from its transformers config with random weights (``profiles/bench/models.py``), built from
 ``profiles/bench/vision_<model>.yaml``: one dynamic fp32 variant over batch 1-4 and 96-256 pixels a
-side, and its ONNX export for the peers. ``--work`` keeps both in ``DIR/<model>/`` and reuses any
-already there (an artifact with its manifest, a ``model.onnx``), so the builds can run on a busy
+side (a convnet frozen by the per-kind default), the same unfrozen (``freezing: false``: what the
+default is measured against), and its ONNX export for the peers. ``--work`` keeps them in
+``DIR/<model>/`` and reuses any already there (an artifact with its manifest, a ``model.onnx``), so the builds can run on a busy
 machine (``--build-only``) and the timing alone on a quiet one. Timed per shape, interleaved: in
 each of ``--rounds`` rounds every method runs its share of calls in turn, so that a change in the
 machine's load falls on every method alike; on the range's two ends, the variant's hint and two
-random shapes: fp32 eager, the artifact, ONNX Runtime, OpenVINO with its defaults (bf16 on CPUs
+random shapes: fp32 eager, the artifact and its unfrozen build, ONNX Runtime, OpenVINO with its defaults (bf16 on CPUs
 with AMX) and OpenVINO f32, each checked against eager on the same inputs. Then, per model, the
 first call at shapes the artifact never met against the steady call (``bench.firstcall``). Prints
 and writes the median ms per shape, their sum and each method's ratio to ONNX Runtime.
@@ -44,6 +45,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -68,9 +70,21 @@ def suite_shapes(hint: dict[str, int], seed: int = 22) -> list[dict[str, int]]:
     return [{"batch": 1, "height": 96, "width": 96}, {"batch": 4, "height": 256, "width": 256}, dict(hint), *drawn]
 
 
-def build_model(name: str, work: Path, log: Callable[[str], None]) -> tuple[Any, Path, float | None]:
-    """``name``'s artifact and ONNX export in ``work/<name>``, built unless already there: the built
-    artifact (its ``path`` and ``manifest``), the profile's path and the build's seconds (None: reused)."""
+@dataclass(frozen=True)
+class Built:
+    """One model's builds in the work folder: as its profile says (for a convnet: frozen, by the
+    per-kind default), and the same profile with ``freezing: false``, each with its path and manifest."""
+
+    result: Any
+    unfrozen: Any
+    profile: Path
+    build_seconds: dict[str, float]  # the builds this run made (none: both reused)
+
+
+def build_model(name: str, work: Path, log: Callable[[str], None]) -> Built:
+    """``name``'s artifacts (``Built``) and ONNX export in ``work/<name>``, each built unless already there."""
+    import yaml
+
     from loader.artifact import read_manifest
     from precompile.pipeline import build
     from precompile.profile import load_profile
@@ -79,17 +93,24 @@ def build_model(name: str, work: Path, log: Callable[[str], None]) -> tuple[Any,
     from .onnx_export import export_onnx
 
     folder = work / name
-    profile_path, artifact = folder / f"vision_{name}.yaml", folder / "artifact"
-    build_s = None
-    if (artifact / "manifest.json").is_file():
-        log(f"{name}: reusing the artifact built earlier in {artifact}")
-        result = SimpleNamespace(path=artifact, manifest=read_manifest(artifact))
-    else:
+    profile_path = folder / f"vision_{name}.yaml"
+    if not profile_path.is_file():
         shutil.copytree(PROFILES, folder, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    unfrozen_path = folder / f"vision_{name}_unfrozen.yaml"
+    if not unfrozen_path.is_file():
+        raw = yaml.safe_load(profile_path.read_text())
+        raw["compile"] = {"inductor": {**raw.get("compile", {}).get("inductor", {}), "freezing": False}}
+        unfrozen_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    seconds, results = {}, []
+    for path, artifact in ((profile_path, folder / "artifact"), (unfrozen_path, folder / "artifact-unfrozen")):
+        if (artifact / "manifest.json").is_file():
+            log(f"{name}: reusing the artifact built earlier in {artifact}")
+            results.append(SimpleNamespace(path=artifact, manifest=read_manifest(artifact)))
+            continue
         start = time.perf_counter()
-        result = build(profile_path, artifact)
-        build_s = time.perf_counter() - start
-        log(f"{name}: built in {build_s:.0f} s")
+        results.append(build(path, artifact))
+        seconds[artifact.name] = time.perf_counter() - start
+        log(f"{name}: {artifact.name} built in {seconds[artifact.name]:.0f} s")
     onnx = folder / "model.onnx"
     if not onnx.is_file():
         loaded = load_profile(profile_path)
@@ -98,7 +119,13 @@ def build_model(name: str, work: Path, log: Callable[[str], None]) -> tuple[Any,
             f"{name}: ONNX export "
             + (f"failed: {said['failed']}" if "failed" in said else f"in {said['seconds']:.0f} s")
         )
-    return result, profile_path, build_s
+    return Built(results[0], results[1], profile_path, seconds)
+
+
+def dynamic_fp32(result: Any) -> Any:
+    """The artifact's one dynamic fp32 variant."""
+    (variant,) = [v for v in result.manifest.variants if v.kind == "dynamic" and v.precision == "fp32"]
+    return variant
 
 
 def interleaved_ms(methods: dict[str, Callable[[], Any]], seconds: float, rounds: int = 5) -> dict[str, float]:
@@ -122,13 +149,14 @@ def interleaved_ms(methods: dict[str, Callable[[], Any]], seconds: float, rounds
 
 def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None], *, rounds: int = 5) -> dict[str, Any]:
     """Build (or reuse) ``name``'s vision profile in ``work``, check and time its methods (the module docstring)."""
+    import loader
     from precompile.profile import load_profile
     from precompile.samples import make_inputs
     from precompile.stages.resolve import resolve_model
 
-    result, profile_path, build_s = build_model(name, work, log)
-    (variant,) = [v for v in result.manifest.variants if v.kind == "dynamic" and v.precision == "fp32"]
-    loaded = load_profile(profile_path)
+    built = build_model(name, work, log)
+    result, variant = built.result, dynamic_fp32(built.result)
+    loaded = load_profile(built.profile)
     profile, model = loaded.profile, resolve_model(loaded)
     threads = torch.get_num_threads()
 
@@ -136,9 +164,14 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None],
         with torch.no_grad():
             return model(*args)
 
-    methods: dict[str, Callable[[tuple], torch.Tensor]] = {"eager fp32": eager, **artifact_methods(result)}
+    unfrozen = loader.load(built.unfrozen.path, precision="fp32")
+    methods: dict[str, Callable[[tuple], torch.Tensor]] = {
+        "eager fp32": eager,
+        **artifact_methods(result),
+        "precompile fp32 unfrozen": lambda args: unfrozen(*args),
+    }
     engines: dict[str, Any] = {}
-    onnx = profile_path.parent / "model.onnx"
+    onnx = built.profile.parent / "model.onnx"
     if onnx.is_file():
         peers, engines = peer_methods(str(onnx), list(profile.inputs), threads)
         methods.update(peers)
@@ -171,7 +204,8 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None],
     log(firstcall.report(first))
     return {
         "model": name,
-        "build_seconds": build_s,
+        "build_seconds": built.build_seconds,
+        "frozen": bool(result.manifest.variants[0].embedded_constants),
         "hint": variant.hint,
         "shapes": rows,
         "total_ms": totals,
@@ -292,11 +326,12 @@ def main() -> None:
                 if args.build_only:
                     build_model(name, work, log)
                 elif args.reorders:
-                    result, _, _ = build_model(name, work, log)
-                    (v,) = [v for v in result.manifest.variants if v.kind == "dynamic" and v.precision == "fp32"]
-                    rows = onednn_reorders(result.path, suite_shapes(v.hint))
-                    log(reorders_report(name, rows))
-                    results.append({"model": name, "reorders": rows})
+                    built = build_model(name, work, log)
+                    shapes = suite_shapes(dynamic_fp32(built.result).hint)
+                    rows = onednn_reorders(built.result.path, shapes)
+                    cold = onednn_reorders(built.unfrozen.path, shapes)
+                    log(reorders_report(name, rows) + "\n" + reorders_report(f"{name} unfrozen", cold))
+                    results.append({"model": name, "reorders": rows, "reorders_unfrozen": cold})
                 else:
                     results.append(run_model(name, work, args.seconds, log, rounds=args.rounds))
             except PrecompileError as e:  # one model that does not build leaves the others to run
