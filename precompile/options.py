@@ -43,8 +43,11 @@ DEFAULTS: dict[str, Any] = {
 # (compile.inductor, a tuning candidate), its precision nor its ISA level set the option.
 # - convnet: freezing, so that every convolution runs on a weight oneDNN does not re-lay out at each
 #   call: packed by Inductor with static sizes, by precompile.passes.prepack with dynamic ones (where
-#   oneDNN keeps one layout over the range). Unfrozen, every weight is reordered at every call
-#   (ResNet-50, batch 1-4 at 96-256²: 53 weight reorders a call unfrozen, 25 frozen, under ONEDNN_VERBOSE).
+#   oneDNN keeps one layout over the range). Unfrozen, every weight is reordered at every call:
+#   dynamic ResNet-50 (batch 1-4, 96-256²) under ONEDNN_VERBOSE, 53 reorders (94 MB) a call at
+#   4×256² and random shapes against 25 (32 MB) frozen; MobileNetV2 52 (8.8 MB) against 19 (6.2),
+#   RegNet-Y 159 (78 MB) against 76 (49). At 1×96² aten runs the smallest unfrozen convolutions
+#   outside oneDNN (ResNet-50: 27 reorders, 24 MB): timed by bench.vision, not yet quietly.
 # - other (transformers): nothing; freezing measured no help on MiniLM (152 against 148 ms).
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {"convnet": {"freezing": True}, "other": {}}
 
