@@ -234,6 +234,14 @@ def test_the_command_passes_instances_and_queue_size_on(classifier_artifact, ser
     assert config.instances == 2 and config.queue_size == 8 and config.grpc_port is None
 
 
-def test_instances_with_batch_is_a_usage_error(classifier_artifact, served_config):
-    result = CliRunner().invoke(main, ["serve", str(classifier_artifact), "--batch", "--instances", "2"])
-    assert result.exit_code == 2 and "--instances and --queue-size apply without --batch" in result.output
+def test_instances_with_batch_are_batches_at_once(classifier_artifact, served_config):
+    result = CliRunner().invoke(
+        main, ["serve", str(classifier_artifact), "--batch", "--instances", "2"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    assert served_config["config"].instances == 2 and served_config["config"].batch
+
+
+def test_queue_size_with_batch_is_a_usage_error(classifier_artifact, served_config):
+    result = CliRunner().invoke(main, ["serve", str(classifier_artifact), "--batch", "--queue-size", "8"])
+    assert result.exit_code == 2 and "--queue-size applies without --batch" in result.output
