@@ -58,15 +58,18 @@ def default_count(*, workers: int = 1, threads: int | None = None) -> int:
     return max(1, allowance.cpus // max(1, workers) // max(1, threads))
 
 
-def default_batch_count(*, workers: int = 1, runtime: str = "torch") -> int:
-    """With --batch: batches at once per worker, one per CPU of its share (loader.Batcher splits the
-    threads between those running and gives a lone one them all), where compiled calls can overlap:
-    the torch-free runtime calls the compiled code through ctypes, which lets go of the GIL. The torch
+def default_batch_count(*, workers: int = 1, runtime: str = "torch", threads: int | None = None) -> int:
+    """With --batch: batches at once per worker, one per CPU of its share and at most its OpenMP
+    ``threads`` (default: torch's, ``OMP_NUM_THREADS`` cut to the CPUs; loader.Batcher splits them
+    between the batches running and gives a lone one them all), where compiled calls can overlap: the
+    torch-free runtime calls the compiled code through ctypes, which lets go of the GIL. The torch
     runtime's binding (``AOTIModelPackageLoader.run``) holds the GIL for the whole call, so a second
     batch would only wait for it, and the event loop with it: one."""
     if runtime != "native":
         return 1
-    return max(1, cpu_allowance().cpus // max(1, workers))
+    allowance = cpu_allowance()
+    threads = threads if threads is not None else default_threads(allowance)
+    return max(1, min(allowance.cpus // max(1, workers), threads))
 
 
 class Instances:
