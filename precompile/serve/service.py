@@ -28,6 +28,7 @@ from loader.threads import default_threads
 from .codec import MIN_BODY_BYTES, body_limit, codec_for, dumps, parse_body
 from .config import ServeConfig
 from .errors import API, OIP, ClientGone, Code, Refused, internal, refusal
+from .handoff import loop_results
 from .instances import Instances, InstancesClosed, default_batch_count, default_count, set_team_size
 from .metrics import Metrics, shape_bucket
 from .reload import ReloadRefused, reload_target
@@ -164,9 +165,9 @@ class Service:
         what replaced it (``successor``)."""
         try:
             if self.batcher is None:
-                pending = asyncio.wrap_future(self.instances.submit(self.live.call_detailed, **inputs))
+                pending = loop_results().wrap(self.instances.submit(self.live.call_detailed, **inputs))
             else:  # guards run in submit (cheap), so a refused call is never queued
-                pending = asyncio.wrap_future(self.batcher.submit(**inputs))
+                pending = loop_results().wrap(self.batcher.submit(**inputs))
         except (InstancesClosed, BatcherClosed):
             if self.successor is None:
                 raise
