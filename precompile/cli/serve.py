@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     help=(
         "Calls (with --batch: batches) run at once per worker, the CPU threads split between them. "
         "Default: what the CPUs can feed (each worker's share of the CPUs over OMP_NUM_THREADS, at least 1; "
-        "with --batch on the torch-free runtime, one per CPU of that share)."
+        "with --batch on the torch-free runtime, one per CPU of that share, at most its OMP_NUM_THREADS)."
     ),
 )
 @click.option(
