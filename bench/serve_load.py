@@ -6,6 +6,7 @@ the same artifact behind Triton Inference Server.
     python -m bench.serve_load --case minilm --concurrency 1 16 --seconds 20
     python -m bench.serve_load --case minilm --servers "precompile --batch" triton --protocol grpc
     python -m bench.serve_load --artifact DIR --profile FILE --shape batch=1,seq=16 --smoke
+    python -m bench.serve_load --case minilm --servers "precompile --batch" --workers 2 --concurrency 16 --repeat 3
 
 Per case, the artifact is built from ``profiles/bench/<case>.yaml`` (or ``--artifact`` is used), then
 the servers run one after the other on loopback ports, each serving every protocol and concurrency level:
@@ -345,6 +346,7 @@ def start_server(
     batch_args = ["--batch", "--max-delay-ms", str(args.max_delay_ms)] if batching else []
     if batching and args.max_batch:
         batch_args += ["--max-batch", str(args.max_batch)]
+    instance_args = ["--instances", str(args.instances)] if args.instances else []
     if kind == "precompile":
         if "grpc" in protocols:
             if serves_grpc():
@@ -355,7 +357,7 @@ def start_server(
             sys.executable, "-m", "precompile", "serve", str(artifact),
             "--port", str(http), "--log-level", "warning", "--workers", str(workers),
             *(["--grpc-port", str(grpc)] if grpc is not None else []),
-            *batch_args,
+            *batch_args, *instance_args,
         ]  # fmt: skip
     elif kind == "eager":
         if profile is None:
@@ -567,22 +569,23 @@ def run_server(
                 infer_request(manifest, sizes, port) if protocol == "http" else grpc_infer_request(manifest, sizes)
             )
             for c in args.concurrency:
-                before = batch_counts(server, manifest["name"])
-                level = run_level(
-                    protocol,
-                    port,
-                    server.process.pid,
-                    request,
-                    c,
-                    args.client_procs,
-                    args.requests,
-                    args.seconds,
-                    args.warmup,
-                )
-                level.update(batches_between(before, batch_counts(server, manifest["name"]), batching))
-                row = {"server": server.label, "workers": server.workers, **level}
-                rows.append(row)
-                print(format_row(row), flush=True)
+                for repeat in range(args.repeat):
+                    before = batch_counts(server, manifest["name"])
+                    level = run_level(
+                        protocol,
+                        port,
+                        server.process.pid,
+                        request,
+                        c,
+                        args.client_procs,
+                        args.requests,
+                        args.seconds,
+                        args.warmup,
+                    )
+                    level.update(batches_between(before, batch_counts(server, manifest["name"]), batching))
+                    row = {"server": server.label, "workers": server.workers, "repeat": repeat, **level}
+                    rows.append(row)
+                    print(format_row(row), flush=True)
     finally:
         stop_server(server)
     return rows
@@ -714,6 +717,26 @@ def peer_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def spread_lines(rows: list[dict]) -> list[str]:
+    """Per server, protocol and concurrency measured more than once (``--repeat``): the req/s of
+    each repeat, and their spread, (max - min) / median: whether a figure holds run after run (issue
+    24: two workers at 16 clients)."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["workers"], r["protocol"], r["concurrency"]), []).append(r["rps"])
+    lines = []
+    for (server, workers, protocol, concurrency), rates in groups.items():
+        if len(rates) < 2:
+            continue
+        median = statistics.median(rates)
+        spread = (max(rates) - min(rates)) / median if median else float("inf")
+        lines.append(
+            f"spread: {server} --workers {workers} {protocol} at {concurrency} clients, {len(rates)} repeats: "
+            f"{', '.join(f'{x:.1f}' for x in rates)} req/s, median {median:.1f}, spread {spread:.1%}"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--case", nargs="+", choices=sorted(CASES), default=["minilm", "resnet50"])
@@ -733,6 +756,10 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int)
     parser.add_argument(
         "--workers", type=int, default=1, help="precompile serve --workers (the eager server is one process)"
+    )
+    parser.add_argument("--instances", type=int, help="precompile serve --instances (default: the server's)")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="measure each level this many times in a row (the spread is printed)"
     )
     parser.add_argument(
         "--servers",
@@ -774,7 +801,7 @@ def main() -> None:
         parser.error("--artifact with an eager server needs --profile (the profile the artifact was built from)")
 
     cases = (
-        [("custom", args.artifact, args.profile)]
+        [(json.loads((args.artifact / "manifest.json").read_text())["name"], args.artifact, args.profile)]
         if args.artifact
         else [(c, *build_case(c, args.work)) for c in args.case]
     )
@@ -795,6 +822,8 @@ def main() -> None:
                 "max_delay_ms",
                 "max_batch",
                 "workers",
+                "instances",
+                "repeat",
                 "protocol",
                 "triton_instances",
             )
@@ -815,7 +844,8 @@ def main() -> None:
             rows += run_server(kind, batching, artifact, profile, manifest, sizes, args.protocol, work, args)
         line = target_line(rows)
         peers = peer_lines(rows)
-        for text in filter(None, [line, *peers]):
+        spreads = spread_lines(rows)
+        for text in filter(None, [line, *peers, *spreads]):
             print(f"  {text}")
         report["cases"][name] = {
             "artifact": str(artifact),
@@ -823,6 +853,7 @@ def main() -> None:
             "rows": rows,
             "target": line,
             "peer_targets": peers,
+            "spreads": spreads,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

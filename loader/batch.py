@@ -35,6 +35,14 @@ outputs.
 A batch that fails is retried call by call, so one bad call cannot fail its batch-mates. A call whose
 future was cancelled before its batch ran (the caller went away) is dropped from it.
 
+Instances: ``instances=N`` worker threads take batches from the one queue, each as soon as it is
+free (Triton's dynamic batcher with N model instances). A compiled call at a small batch keeps
+little of a second core busy (its parallel loops are short), so on a small host one batch at a time
+leaves CPUs idle while the next batch waits; N batches at once use them. With ``team`` (a function
+setting the calling thread's OpenMP team size), a worker runs its batch with all ``threads`` when no
+other worker is running one and nothing else waits (a lone caller keeps the whole machine), else
+with ``threads // N``, so that busy workers share the threads rather than each asking for all.
+
 This module is the worker thread and its queue; the decisions above are ``loader.batch_plan``'s
 (pure functions of the manifest and a call's sizes) and the joining of inputs and cutting of
 outputs ``loader.batch_tensors``'s.
@@ -101,6 +109,11 @@ class Batcher:
       calls submitted one after another from a single thread).
     - ``max_queue``: calls waiting at most; one more raises ``BatcherFull``.
 
+    - ``instances``: batches running at once, each on a worker thread of its own (default 1).
+    - ``threads``, ``team``: the OpenMP threads the workers share, and the function that sets the
+      calling thread's team size and returns True once it has (``precompile serve`` passes its
+      ``set_team_size``); without ``team``, team sizes are left as they are (see the module docstring).
+
     - ``on_batch(size, waits)``: called after each batch ran, with its size (padding included) and
       each call's queue wait in seconds (for a server's metrics).
 
@@ -118,9 +131,14 @@ class Batcher:
         max_queue: int = 1024,
         on_batch: Callable[[int, list[float]], None] | None = None,
         wait_alone: bool = False,
+        instances: int = 1,
+        threads: int = 1,
+        team: Callable[[int], Any] | None = None,
     ):
         if max_batch is not None and max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if instances < 1 or threads < 1:
+            raise ValueError("instances and threads must be at least 1")
         if max_delay_ms < 0 or max_queue < 1:
             raise ValueError("max_delay_ms must be ≥ 0 and max_queue ≥ 1")
         self.target = target
@@ -133,11 +151,18 @@ class Batcher:
         self._last_batch_calls = 0  # how many calls the latest batch held: 0 or 1, nobody waits for company
         self._cond = threading.Condition()
         self._closed = False
+        self._running = 0  # workers running a batch now
+        self.instances = instances
+        self.threads = threads
+        self._team = team
         self._plans: dict[int, tuple[ServedModel, BatchPlan]] = {}
         self._stats_lock = threading.Lock()
         self.reset_stats()
-        self._worker = threading.Thread(target=self._loop, name="precompile-batcher", daemon=True)
-        self._worker.start()
+        self._workers = [
+            threading.Thread(target=self._loop, name=f"precompile-batcher-{i}", daemon=True) for i in range(instances)
+        ]
+        for worker in self._workers:
+            worker.start()
 
     # --- calling -------------------------------------------------------------------------------
 
@@ -181,25 +206,47 @@ class Batcher:
     # --- the worker ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        team = 0  # this worker's OpenMP team size as last set (0: not set yet)
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
+                batch = self._next_batch()
+                if batch is None:
                     return
-                first = self._queue[0]
-                deadline = first.queued_at + self.max_delay
-                while not self._closed and self._rows_waiting(first) < first.spot.max_rows:
-                    if not self.wait_alone and self._last_batch_calls <= 1 and len(self._queue) == 1:
-                        break  # a lone caller (the last batch was one call too) is not kept waiting
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
+                self._running += 1
+                alone = self._running == 1 and not self._queue
+            size = self.threads if alone else max(1, self.threads // self.instances)
+            if self._team is not None and size != team and self._team(size):
+                team = size
+            try:
+                if batch:
+                    self._run(batch)
+            finally:
+                with self._cond:
+                    self._running -= 1
+
+    def _next_batch(self) -> list[_Call] | None:
+        """Wait (holding ``_cond``) for calls and take the next batch (empty when every call of it was
+        cancelled); None once closed with nothing queued."""
+        while True:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            first = self._queue[0]
+            deadline = first.queued_at + self.max_delay
+            while not self._closed and self._rows_waiting(first) < first.spot.max_rows:
+                if not self.wait_alone and self._last_batch_calls <= 1 and len(self._queue) == 1:
+                    break  # a lone caller (the last batch was one call too) is not kept waiting
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+                if not self._queue or self._queue[0] is not first:
+                    break  # another worker took it meanwhile
+            if self._queue and self._queue[0] is first:
                 batch = self._take(first)
                 self._last_batch_calls = len(batch)
-            if batch:
-                self._run(batch)
+                return batch
 
     def _rows_waiting(self, first: _Call) -> int:
         return sum(c.rows for c in self._queue if c.joins(first))
@@ -277,11 +324,12 @@ class Batcher:
     # --- lifecycle and stats -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Run the calls already queued, then stop the worker; later calls raise BatcherClosed."""
+        """Run the calls already queued, then stop the workers; later calls raise BatcherClosed."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._worker.join()
+        for worker in self._workers:
+            worker.join()
 
     def __enter__(self) -> Batcher:
         return self
@@ -344,4 +392,7 @@ class Batcher:
             self._wait_sum = self._wait_max = 0.0
 
     def __repr__(self) -> str:
-        return f"<Batcher max_batch={self.max_batch} max_delay_ms={self.max_delay * 1000:g} over {self.target!r}>"
+        return (
+            f"<Batcher max_batch={self.max_batch} max_delay_ms={self.max_delay * 1000:g} instances={self.instances} "
+            f"over {self.target!r}>"
+        )

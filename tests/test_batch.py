@@ -4,6 +4,7 @@ one bad call fails alone, the queue has a limit. Threads are bounded in count an
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -177,3 +178,38 @@ def test_a_lone_caller_is_not_kept_waiting(classifier):
             batcher(*call_inputs(seed, seq=4))
         waits = batcher.stats()["batching"]["queue_wait_ms"]
     assert waits["count"] == 3 and waits["max"] < 2500  # the 5 s delay never applied
+
+
+def test_a_full_batch_runs_without_waiting_the_delay(classifier):
+    """Once the queue holds max_batch rows of one shape, they run: the delay is for company only."""
+    with loader.Batcher(classifier, max_batch=4, max_delay_ms=120_000, wait_alone=True) as batcher:
+        futures = [batcher.submit(*call_inputs(seed, seq=6)) for seed in range(4)]
+        for future in futures:
+            future.result(timeout=WAIT)  # well before the two-minute delay
+        assert batcher.stats()["batching"]["batch_sizes"] == {"4": 1}
+
+
+def test_instances_run_a_batch_while_another_is_running(classifier):
+    """With two instances, a second batch runs while the first is still held up; a lone batch gets
+    every thread, one beside another batch its share."""
+    teams, release = [], threading.Event()
+
+    def team(size: int) -> bool:
+        teams.append((threading.current_thread().name, size))
+        if len(teams) == 1:
+            release.wait(WAIT)  # the first worker is held here, its batch taken and counted as running
+        return True
+
+    with loader.Batcher(classifier, max_batch=1, instances=2, threads=2, team=team) as batcher:
+        first = batcher.submit(*call_inputs(1, seq=4))
+        while not teams:
+            time.sleep(0.01)
+        second = batcher.submit(*call_inputs(2, seq=4))
+        try:
+            torch.testing.assert_close(second.result(timeout=WAIT)[0], classifier(*call_inputs(2, seq=4)))
+            assert not first.done()
+        finally:
+            release.set()
+        torch.testing.assert_close(first.result(timeout=WAIT)[0], classifier(*call_inputs(1, seq=4)))
+    (held, alone), (other, beside) = teams
+    assert held != other and (alone, beside) == (2, 1)

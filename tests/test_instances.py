@@ -20,7 +20,7 @@ from precompile.cli import main
 from precompile.serve.app import create_app
 from precompile.serve.config import ServeConfig
 from precompile.serve.grpc_service import GrpcServer, ServedModels
-from precompile.serve.instances import Instances, InstancesFull, default_count
+from precompile.serve.instances import Instances, InstancesFull, default_batch_count, default_count
 from tests.test_serve import AppClient, served_config  # noqa: F401 (a fixture)
 from tests.test_serve_load import DEADLINE, free_port
 
@@ -82,6 +82,14 @@ def test_the_default_count_is_what_the_workers_share_of_the_cpus_can_feed():
     assert default_count(threads=cpus) == 1  # one team as wide as the CPUs
     assert default_count(workers=cpus, threads=1) == 1  # each worker's share is one CPU
     assert default_count(threads=4 * cpus) == 1  # at least one
+
+
+def test_batches_at_once_default_to_one_per_cpu_where_calls_let_go_of_the_gil():
+    cpus = cpu_allowance().cpus
+    assert default_batch_count(runtime="native", threads=cpus) == cpus  # the threads split while busy
+    assert default_batch_count(runtime="native", threads=1) == 1  # never more batches than threads
+    assert default_batch_count(runtime="native", workers=cpus, threads=cpus) == 1  # each worker's share
+    assert default_batch_count(runtime="torch", threads=cpus) == 1  # the binding holds the GIL
 
 
 def test_a_call_beyond_the_queue_is_refused_at_once_and_the_others_run():
@@ -234,6 +242,14 @@ def test_the_command_passes_instances_and_queue_size_on(classifier_artifact, ser
     assert config.instances == 2 and config.queue_size == 8 and config.grpc_port is None
 
 
-def test_instances_with_batch_is_a_usage_error(classifier_artifact, served_config):
-    result = CliRunner().invoke(main, ["serve", str(classifier_artifact), "--batch", "--instances", "2"])
-    assert result.exit_code == 2 and "--instances and --queue-size apply without --batch" in result.output
+def test_instances_with_batch_are_batches_at_once(classifier_artifact, served_config):
+    result = CliRunner().invoke(
+        main, ["serve", str(classifier_artifact), "--batch", "--instances", "2"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    assert served_config["config"].instances == 2 and served_config["config"].batch
+
+
+def test_queue_size_with_batch_is_a_usage_error(classifier_artifact, served_config):
+    result = CliRunner().invoke(main, ["serve", str(classifier_artifact), "--batch", "--queue-size", "8"])
+    assert result.exit_code == 2 and "--queue-size applies without --batch" in result.output

@@ -321,3 +321,15 @@ def test_workers_answer_without_the_delayed_ack_wait(classifier_artifact):
     assert times[len(times) // 2] < 0.025, (
         f"median {times[len(times) // 2] * 1000:.1f} ms: the responses waited for delayed ACKs"
     )
+
+
+def test_the_bench_reports_the_spread_of_repeated_levels():
+    """bench.serve_load --repeat: the req/s of each repeat of a level and their spread, (max - min) / median."""
+    from bench.serve_load import spread_lines
+
+    row = {"server": "precompile --batch", "workers": 2, "protocol": "http", "concurrency": 16}
+    rows = [{**row, "rps": rps} for rps in (400.0, 440.0, 420.0)] + [{**row, "concurrency": 1, "rps": 150.0}]
+    assert spread_lines(rows) == [
+        "spread: precompile --batch --workers 2 http at 16 clients, 3 repeats: 400.0, 440.0, 420.0 req/s, "
+        "median 420.0, spread 9.5%"
+    ]

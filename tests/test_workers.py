@@ -10,12 +10,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from precompile.serve.app import WORKER_HEADER
-from tests.test_serve_load import DEADLINE, free_port, serve_command
+from tests.conftest import artifact_version
+from tests.test_serve_load import DEADLINE, free_port, stop_server
 
 
 def worker_of(connection: http.client.HTTPConnection) -> int:
@@ -26,18 +28,51 @@ def worker_of(connection: http.client.HTTPConnection) -> int:
     return int(response.getheader(WORKER_HEADER))
 
 
-def test_two_workers_share_sixteen_keep_alive_connections(classifier_artifact):
+def get(port: int, path: str) -> http.client.HTTPResponse:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
+    try:
+        c.request("GET", path)
+        response = c.getresponse()
+        response.read()
+        return response
+    finally:
+        c.close()
+
+
+@contextmanager
+def launched(artifact, *options: str):
+    """`precompile serve ARTIFACT OPTIONS` on a free port, not waited for; yields the port."""
+    port = free_port()
+    command = [sys.executable, "-m", "precompile", "serve", str(artifact), "--port", str(port), *options]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield port
+    finally:
+        stop_server(process)
+
+
+VERSIONS = 8  # of the classifier, loaded one after the other by each worker: a start-up of seconds
+
+
+def test_two_workers_share_sixteen_keep_alive_connections(classifier_artifact, tmp_path):
     tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+    repo = tmp_path / "repo"
+    for n in range(1, VERSIONS + 1):
+        artifact_version(classifier_artifact, repo / "tiny-classifier" / str(n), n)
     grpc_port = free_port()
-    with serve_command(classifier_artifact, "--workers", "2", "--grpc-port", str(grpc_port)) as port:
-        # Both workers serving: fresh connections until each has answered one (a worker that has not
-        # bound its socket yet gets none).
-        started, deadline = set(), time.monotonic() + DEADLINE
+    options = ("--workers", "2", "--versions", f"latest:{VERSIONS}", "--grpc-port", str(grpc_port))
+    with launched(repo, *options, "--log-level", "warning") as port:
+        # From the start, fresh connections until each worker has answered one: a worker listens only
+        # once its models are loaded, so every /readyz through the port, from its first answer, is 200.
+        started, ready, deadline = set(), [], time.monotonic() + 4 * DEADLINE
         while len(started) < 2 and time.monotonic() < deadline:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
-            started.add(worker_of(c))
-            c.close()
-        assert len(started) == 2, f"only worker {started} answered in {DEADLINE} s"
+            try:
+                ready.append(get(port, "/readyz").status)
+                started.add(int(get(port, "/healthz").getheader(WORKER_HEADER)))
+            except ConnectionRefusedError:  # no worker listening yet
+                time.sleep(0.02)
+        assert len(started) == 2, f"only worker {started} answered in {4 * DEADLINE} s"
+        assert ready and set(ready) == {200}, f"/readyz answered {Counter(ready)} while the workers started"
 
         connections = [http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE) for _ in range(16)]
         try:

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
     "--instances",
     type=click.IntRange(min=1),
     help=(
-        "Without --batch: calls run at once per worker, the CPU threads split between them. "
-        "Default: what the CPUs can feed (each worker's share of the CPUs over OMP_NUM_THREADS, at least 1)."
+        "Calls (with --batch: batches) run at once per worker, the CPU threads split between them. "
+        "Default: what the CPUs can feed (each worker's share of the CPUs over OMP_NUM_THREADS, at least 1; "
+        "with --batch on the torch-free runtime, one per CPU of that share, at most its OMP_NUM_THREADS)."
     ),
 )
 @click.option(
@@ -239,11 +240,8 @@ def serve(
         batch=batch,
         max_batch=max_batch,
     )
-    if batch and (instances is not None or _given("queue_size")):
-        raise click.UsageError(
-            "--instances and --queue-size apply without --batch (the batcher runs one batch at a time; "
-            "its queue is --max-queue)"
-        )
+    if batch and _given("queue_size"):
+        raise click.UsageError("--queue-size applies without --batch (the batcher's queue is --max-queue)")
     if grpc_port and grpc_port == port:
         raise click.UsageError(f"--grpc-port {grpc_port} is --port too: give gRPC a port of its own")
 

@@ -12,6 +12,7 @@
     server.py   run(): uvicorn, one process or several workers
     workers.py  the --workers supervisor: spawned workers, each with its own SO_REUSEPORT socket
     instances.py     execution instances: calls at once per model, each thread its own OpenMP team
+    handoff.py       results from those threads (and the batcher's) to the event loop, one wake-up per batch
     grpc_service.py  the Open Inference Protocol over gRPC (messages: predict_v2_pb2, from predict_v2.proto)
 
 Only ``config`` imports nothing beyond the standard library; the rest needs ``pip install 'precompile[serve]'``.

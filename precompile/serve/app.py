@@ -13,7 +13,9 @@
 Every endpoint refuses a body over ``max_body_bytes`` with 413 (limits.py), and answers whatever
 its work raises through one exception policy (errors.py, ``Service.answer`` in service.py). The artifact is loaded
 and warmed up on a background thread at start-up, so /healthz answers at once and /readyz turns 200
-when the first request would meet warm code. Requests are decoded on the server's thread pool (a /v2
+when the first request would meet warm code. A worker of ``--workers N`` starts listening (HTTP and
+gRPC) only once its first load has been tried: the port's other workers take the connections meanwhile
+(workers.py). Requests are decoded on the server's thread pool (a /v2
 infer request with binary tensors or a short JSON header on the loop: oip.py); each
 call runs through ``Live.call_detailed`` on one of the model's execution instances (instances.py: a
 bounded number at once, a bounded queue in front, 503 beyond it), or with ``--batch`` is queued in a ``loader.Batcher``
@@ -66,6 +68,8 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         models.start()
         try:
+            if config.workers > 1:  # uvicorn listens after this: a worker takes connections once it can serve
+                await run_in_threadpool(models.wait_loaded)
             with grpc_beside(models, config):  # --grpc-port: the same models over gRPC, in this process
                 yield
         finally:

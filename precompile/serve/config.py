@@ -38,7 +38,7 @@ class ServeConfig:
     max_delay_ms: float = 2.0
     max_queue: int = 1024
     precision: str = "auto"  # loader.load(precision=...): auto | fp32 | bf16 | int8
-    # Execution instances (instances.py) for calls without --batch: None: what the CPUs can feed
+    # Execution instances (instances.py; with --batch: batches at once, loader.Batcher): None: what the CPUs can feed
     instances: int | None = None
     queue_size: int = 256  # calls waiting for an instance at most; more get 503 / UNAVAILABLE
     grpc_port: int | None = None  # the Open Inference Protocol's gRPC service (grpc_service.py); None: off

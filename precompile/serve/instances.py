@@ -58,6 +58,20 @@ def default_count(*, workers: int = 1, threads: int | None = None) -> int:
     return max(1, allowance.cpus // max(1, workers) // max(1, threads))
 
 
+def default_batch_count(*, workers: int = 1, runtime: str = "torch", threads: int | None = None) -> int:
+    """With --batch: batches at once per worker, one per CPU of its share and at most its OpenMP
+    ``threads`` (default: torch's, ``OMP_NUM_THREADS`` cut to the CPUs; loader.Batcher splits them
+    between the batches running and gives a lone one them all), where compiled calls can overlap: the
+    torch-free runtime calls the compiled code through ctypes, which lets go of the GIL. The torch
+    runtime's binding (``AOTIModelPackageLoader.run``) holds the GIL for the whole call, so a second
+    batch would only wait for it, and the event loop with it: one."""
+    if runtime != "native":
+        return 1
+    allowance = cpu_allowance()
+    threads = threads if threads is not None else default_threads(allowance)
+    return max(1, min(allowance.cpus // max(1, workers), threads))
+
+
 class Instances:
     """``count`` threads running the calls ``submit`` hands them, in order, ``threads`` OpenMP threads
     in all split between them; at most ``queue_size`` calls wait for a free instance."""

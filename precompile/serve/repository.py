@@ -233,6 +233,10 @@ class Repository:
         except Exception as e:  # noqa: BLE001: the store down, the folder gone: what serves, serves on
             log.error("cannot scan the repository %s: %s", self.root, e)
 
+    def wait_loaded(self) -> None:
+        """Wait until the first scan and its loads are done (each model loaded or failed)."""
+        self._started.wait()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -481,6 +485,7 @@ class OneModel:
         self.refuse = service.refuse
         self.start = service.start
         self.stop = service.stop
+        self.wait_loaded = service.join_load
 
     def lookup(self, name: str | None, version: str | None = None) -> Service:
         if name is None:

@@ -23,11 +23,13 @@ from starlette.concurrency import run_in_threadpool
 import loader
 from loader import Batcher, BatcherClosed, Live, LoaderError, TrafficRecorder
 from loader.live import Serving, SwapAttempt, read_served_manifest
+from loader.threads import default_threads
 
 from .codec import MIN_BODY_BYTES, body_limit, codec_for, dumps, parse_body
 from .config import ServeConfig
 from .errors import API, OIP, ClientGone, Code, Refused, internal, refusal
-from .instances import Instances, InstancesClosed, default_count
+from .handoff import loop_results
+from .instances import Instances, InstancesClosed, default_batch_count, default_count, set_team_size
 from .metrics import Metrics, shape_bucket
 from .reload import ReloadRefused, reload_target
 
@@ -64,9 +66,17 @@ class Service:
         self.metrics = metrics if metrics is not None else Metrics(lambda: listed(self.describe_serving()))
         self.live.on_attempt(self._count_attempt)
         self.recorder: TrafficRecorder | None = None
-        self.batcher: Batcher | None = (
-            Batcher(self.live, **config.batcher_options(), on_batch=self._count_batch) if config.batch else None
-        )
+        self.batcher: Batcher | None = None
+        if config.batch:  # batches run on execution instances too, as many at once as the CPUs can feed
+            count = config.instances or default_batch_count(workers=config.workers, runtime=config.runtime)
+            self.batcher = Batcher(
+                self.live,
+                **config.batcher_options(),
+                on_batch=self._count_batch,
+                instances=count,
+                threads=default_threads(),
+                team=set_team_size,
+            )
         self.instances: Instances | None = None  # without --batch: started with the service
         # Set by a repository when it replaces this version: where calls still on their way here go.
         self.successor: Callable[[], Service] | None = None
@@ -155,9 +165,9 @@ class Service:
         what replaced it (``successor``)."""
         try:
             if self.batcher is None:
-                pending = asyncio.wrap_future(self.instances.submit(self.live.call_detailed, **inputs))
+                pending = loop_results().wrap(self.instances.submit(self.live.call_detailed, **inputs))
             else:  # guards run in submit (cheap), so a refused call is never queued
-                pending = asyncio.wrap_future(self.batcher.submit(**inputs))
+                pending = loop_results().wrap(self.batcher.submit(**inputs))
         except (InstancesClosed, BatcherClosed):
             if self.successor is None:
                 raise

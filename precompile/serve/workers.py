@@ -7,6 +7,12 @@ worker binds its own socket to the port with SO_REUSEPORT, and the kernel spread
 the listening sockets by a hash of their addresses, so every worker gets its share. The gRPC service
 (--grpc-port) joins its port the same way (grpc_service.py).
 
+A worker binds its socket at once (a port it cannot join stops the server at start) but listens only
+once its models are loaded (app.py's lifespan waits for the first load before uvicorn starts
+serving): a bound socket that is not listening gets no connections, so while a worker loads, at
+start or when it replaces one that died, the others take them all, and ``/readyz`` through the port
+is the answer of a worker that can serve.
+
 The supervisor (this process) holds a socket bound to the port with SO_REUSEPORT but never listening
 (so no connection reaches it): it finds the port for --port 0 and says at once when the port is
 taken. A worker that dies after it started is replaced; one that dies early (a start-up failure,
