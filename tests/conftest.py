@@ -176,6 +176,18 @@ def classifier_workers(classifier_artifact):
         yield port, grpc_port
 
 
+@pytest.fixture(scope="session")
+def classifier_batched(classifier_artifact):
+    """`precompile serve CLASSIFIER --batch --max-delay-ms 20 --grpc-port G` as a process, for the Open
+    Inference Protocol tests over HTTP (tests/test_oip.py) and gRPC (tests/test_grpc.py), which count
+    what their own calls add. Yields (HTTP port, gRPC port)."""
+    from .test_serve_load import free_port, serve_command
+
+    grpc_port = free_port()
+    with serve_command(classifier_artifact, "--batch", "--max-delay-ms", "20", "--grpc-port", str(grpc_port)) as port:
+        yield port, grpc_port
+
+
 # --- shipping (packs, signatures, cache): built from the session artifacts, no compile of their own ---
 
 
