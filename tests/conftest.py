@@ -63,9 +63,20 @@ def classifier_profile(classifier_artifact) -> Path:
 
 
 @pytest.fixture(scope="session")
-def structured_artifact(tmp_path_factory) -> Path:
+def structured_cli_build(tmp_path_factory) -> tuple[Path, str]:
+    """Built through the CLI in a pipe (CliRunner's output is no terminal): (artifact, what the command
+    printed), so tests/test_cli.py reads the lines of this build instead of compiling its own."""
     folder = tmp_path_factory.mktemp("structured")
-    return build(write_profile(folder, STRUCTURED_PROFILE), folder / "artifact").path
+    profile = write_profile(folder, STRUCTURED_PROFILE)
+    out = folder / "artifact"
+    result = CliRunner().invoke(main, ["build", str(profile), "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+@pytest.fixture(scope="session")
+def structured_artifact(structured_cli_build) -> Path:
+    return structured_cli_build[0]
 
 
 TAGGER_PROFILE = """
@@ -105,6 +116,35 @@ def tagger_build(tmp_path_factory):
     return build(write_profile(folder, TAGGER_PROFILE), folder / "artifact", jobs=2)
 
 
+ENCODER_PROFILE = """
+name: tiny-encoder
+model: {factory: "tiny:encoder"}
+inputs:
+  ids:  {shape: [batch, seq], dtype: int64, range: [0, 49]}
+  mask: {shape: [batch, seq], dtype: bool, range: [1, 1]}
+dims:
+  batch: {min: 1, max: 8}
+  seq:   {min: 2, max: 32}
+outputs:
+  - {shape: [batch, seq, 16]}
+  - {shape: [batch, 16]}
+plan:
+  ranges: {seq: [16]}             # two dynamic variants: seq 2..16 and 17..32
+check: {random_shapes: 1}
+batching:
+  pad: [seq]
+  pad_value: {mask: 0}
+"""
+
+
+@pytest.fixture(scope="session")
+def encoder_artifact(tmp_path_factory) -> Path:
+    """Two dynamic variants with a batching section (pad seq): tests/test_batching_section.py reads
+    its manifest, tests/test_serve_native.py batches it without torch."""
+    folder = tmp_path_factory.mktemp("encoder")
+    return build(write_profile(folder, ENCODER_PROFILE), folder / "artifact").path
+
+
 def artifact_version(src: Path, dst: Path, version: int) -> Path:
     """A copy of an artifact released under another version number: same compiled files, so it loads
     without a second compile (the manifest lists the files, not itself)."""
@@ -122,6 +162,30 @@ def classifier_versions(classifier_artifact, tmp_path_factory) -> list[Path]:
     """The classifier as versions 1 to 4 (for hot swap)."""
     folder = tmp_path_factory.mktemp("versions")
     return [classifier_artifact] + [artifact_version(classifier_artifact, folder / f"v{n}", n) for n in (2, 3, 4)]
+
+
+@pytest.fixture(scope="session")
+def classifier_workers(classifier_artifact):
+    """`precompile serve CLASSIFIER --workers 2 --grpc-port G` as a process, for the tests that read
+    what its workers answer and change nothing (tests/test_workers.py, tests/test_serve_load.py): one
+    start instead of one each. Yields (HTTP port, gRPC port)."""
+    from .test_serve_load import free_port, serve_command
+
+    grpc_port = free_port()
+    with serve_command(classifier_artifact, "--workers", "2", "--grpc-port", str(grpc_port)) as port:
+        yield port, grpc_port
+
+
+@pytest.fixture(scope="session")
+def classifier_batched(classifier_artifact):
+    """`precompile serve CLASSIFIER --batch --max-delay-ms 20 --grpc-port G` as a process, for the Open
+    Inference Protocol tests over HTTP (tests/test_oip.py) and gRPC (tests/test_grpc.py), which count
+    what their own calls add. Yields (HTTP port, gRPC port)."""
+    from .test_serve_load import free_port, serve_command
+
+    grpc_port = free_port()
+    with serve_command(classifier_artifact, "--batch", "--max-delay-ms", "20", "--grpc-port", str(grpc_port)) as port:
+        yield port, grpc_port
 
 
 # --- shipping (packs, signatures, cache): built from the session artifacts, no compile of their own ---

@@ -22,30 +22,10 @@ from precompile.pipeline import build
 from precompile.profile import load_profile
 from precompile.serve.app import create_app
 from precompile.serve.config import ServeConfig
-from tests.conftest import write_profile
+from tests.conftest import ENCODER_PROFILE, write_profile
 from tests.test_serve import AppClient, metrics
 
 WAIT = 30.0
-
-ENCODER_PROFILE = """
-name: tiny-encoder
-model: {factory: "tiny:encoder"}
-inputs:
-  ids:  {shape: [batch, seq], dtype: int64, range: [0, 49]}
-  mask: {shape: [batch, seq], dtype: bool, range: [1, 1]}
-dims:
-  batch: {min: 1, max: 8}
-  seq:   {min: 2, max: 32}
-outputs:
-  - {shape: [batch, seq, 16]}
-  - {shape: [batch, 16]}
-plan:
-  ranges: {seq: [16]}             # two dynamic variants: seq 2..16 and 17..32
-check: {random_shapes: 1}
-batching:
-  pad: [seq]
-  pad_value: {mask: 0}
-"""
 
 
 def with_batching(section: str, *, profile: str = ENCODER_PROFILE) -> str:
@@ -178,12 +158,6 @@ def test_the_build_refuses_batching_a_model_that_mixes_rows(tmp_path):
 
 
 # --- the manifest records it -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def encoder_artifact(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("encoder")
-    return build(write_profile(folder, ENCODER_PROFILE), folder / "artifact").path
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ from click.testing import CliRunner
 from precompile import __version__
 from precompile.cli import main
 
-from .conftest import STRUCTURED_PROFILE, write_profile
-
 COMMANDS = main.list_commands(None)
 
 
@@ -81,13 +79,11 @@ def test_inspect_reads_a_pack_without_unpacking_it(classifier_pack, classifier_a
     )
 
 
-def test_build_in_a_pipe_says_when_each_stage_and_unit_starts(tmp_path):
+def test_build_in_a_pipe_says_when_each_stage_and_unit_starts(structured_cli_build):
     """No spinner is drawn in a pipe or a CI log: a line says what started, so a long compile is not
-    silence until the variant finishes."""
-    profile = write_profile(tmp_path, STRUCTURED_PROFILE)
-    result = CliRunner().invoke(main, ["build", str(profile), "-o", str(tmp_path / "out")], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
+    silence until the variant finishes (the session's `precompile build` of the structured model)."""
+    _, output = structured_cli_build
+    lines = output.splitlines()
     started = next(i for i, line in enumerate(lines) if line.startswith("… variant  started   dynamic batch∈[1,32]"))
     finished = next(i for i, line in enumerate(lines) if line.startswith("✓ variant"))
     assert started < finished

@@ -1,12 +1,12 @@
 """No call can crash the process: ≥ 10,000 random calls against the session artifacts, and the calls
-that did crash it before the guards, each in a subprocess so that a regression fails the test instead
-of killing pytest.
+that did crash it before the guards, in a subprocess (all in one; each alone again if that one dies)
+so that a regression fails the test instead of killing pytest.
 
 Every refused call must be a GuardError (no other exception type), every accepted call must equal
 eager within tolerance. Run alone (prints the figures as JSON on its last line):
 
     python tests/test_fuzz_calls.py fuzz CLASSIFIER TAGGER STRUCTURED --calls 10000 --seed 0
-    python tests/test_fuzz_calls.py repro CLASSIFIER ids-1000
+    python tests/test_fuzz_calls.py repro CLASSIFIER ids-1000 [CASE ...]
 """
 
 from __future__ import annotations
@@ -63,10 +63,25 @@ def test_ten_thousand_random_calls_never_crash_and_are_refused_or_right(
 REPROS = ["ids-1000", "ids--1", "ids-1e11", "wrapper-subclass", "neg-view"]
 
 
+@pytest.fixture(scope="module")
+def repros(classifier_artifact) -> dict[str, dict]:
+    """Every repro in one child process (one start of Python and torch, not five), a fresh model per
+    case: each case's result, or none of them if the child died."""
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__)), "repro", str(classifier_artifact), *REPROS],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    if proc.returncode != 0:  # it died: every case runs again alone (below), as each did before
+        return {}
+    return {r["case"]: r for r in map(json.loads, proc.stdout.strip().splitlines()[-len(REPROS) :])}
+
+
 @pytest.mark.parametrize("case", REPROS)
-def test_a_call_that_crashed_the_process_is_now_a_guard_error(classifier_artifact, case):
-    proc, s = run_child("repro", str(classifier_artifact), case, timeout=120)
-    assert proc.returncode == 0, f"{case}: the process died (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+def test_a_call_that_crashed_the_process_is_now_a_guard_error(repros, classifier_artifact, case):
+    s = repros.get(case)
+    if s is None:  # the shared child died: this case alone, in a child of its own
+        proc, s = run_child("repro", str(classifier_artifact), case, timeout=120)
+        assert proc.returncode == 0, f"{case}: the process died (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     assert s["error"] == "GuardError", s
     assert s["reason"] == (
         "neg_view" if case == "neg-view" else "tensor_subclass" if case == "wrapper-subclass" else "value_range"
@@ -295,15 +310,16 @@ def main(argv: list[str]) -> None:
     f.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("repro")
     r.add_argument("path")
-    r.add_argument("case", choices=REPROS)
+    r.add_argument("cases", nargs="+", choices=REPROS)
     opts = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     if opts.mode == "fuzz":
         torch.set_num_threads(1)  # two cores shared with the rest of the suite; repro keeps OpenMP on
         summary = fuzz(opts.paths, opts.calls, opts.seed)
-    else:
-        summary = repro(opts.path, opts.case)
-    print(json.dumps(summary))
+        print(json.dumps(summary))
+        return
+    for case in opts.cases:
+        print(json.dumps({"case": case, **repro(opts.path, case)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import loader
-from tests.test_serve_load import DEADLINE, serve_command
+from tests.test_serve_load import DEADLINE
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -22,10 +22,9 @@ MODEL = "tiny-classifier"
 
 
 @pytest.fixture(scope="module")
-def served(classifier_artifact):
-    """`precompile serve ARTIFACT --batch`; yields the host:port the client connects to."""
-    with serve_command(classifier_artifact, "--batch", "--max-delay-ms", "20") as port:
-        yield f"127.0.0.1:{port}"
+def served(classifier_batched):
+    """`precompile serve ARTIFACT --batch` (tests/conftest.py); the host:port the client connects to."""
+    return f"127.0.0.1:{classifier_batched[0]}"
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +84,16 @@ def test_infer_matches_a_direct_call(client, classifier, binary):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def batch_counts(served: str) -> tuple[float, float]:
+    """(batches run, rows in them) so far, from the server's /metrics."""
+    metrics = httpx.get(f"http://{served}/metrics", timeout=DEADLINE).text
+    found = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    return found["precompile_batch_size_count"], found["precompile_batch_size_sum"]
+
+
 def test_concurrent_clients_are_batched_and_each_gets_its_own_result(served, classifier):
     calls = [inputs(seed) for seed in range(6)]
+    batches_before, rows_before = batch_counts(served)
     start = threading.Barrier(len(calls))
 
     def one(args):
@@ -102,20 +109,8 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_result(served, cla
     for (ids, mask), got in zip(calls, results):
         want = classifier(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    metrics = httpx.get(f"http://{served}/metrics", timeout=DEADLINE).text
-    batches = next(
-        s.value
-        for f in text_string_to_metric_families(metrics)
-        for s in f.samples
-        if s.name == "precompile_batch_size_count"
-    )
-    rows = next(
-        s.value
-        for f in text_string_to_metric_families(metrics)
-        for s in f.samples
-        if s.name == "precompile_batch_size_sum"
-    )
-    assert rows >= len(calls) and batches < rows  # some calls ran together
+    batches, rows = (after - before for after, before in zip(batch_counts(served), (batches_before, rows_before)))
+    assert rows == len(calls) and batches < rows  # some calls ran together
 
 
 def test_a_call_the_guards_refuse_raises_with_the_guards_message(client, classifier):

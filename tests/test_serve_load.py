@@ -300,23 +300,23 @@ def serve_command(artifact: Path, *options: str, log: Path | None = None):
             process.communicate()
 
 
-def test_workers_answer_without_the_delayed_ack_wait(classifier_artifact):
+def test_workers_answer_without_the_delayed_ack_wait(classifier_workers):
     """`precompile serve --workers 2`: every worker turns Nagle's algorithm off on its connections.
     Without it, each response waited for the client's delayed ACK: 44 ms per GET /healthz on
     loopback, against well under 1 ms (precompile.serve.nodelay)."""
     import http.client
 
-    with serve_command(classifier_artifact, "--workers", "2") as port:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # no TCP_NODELAY on this side
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            connection.request("GET", "/healthz")
-            response = connection.getresponse()
-            response.read()
-            assert response.status == 200
-            times.append(time.perf_counter() - start)
-        connection.close()
+    port, _ = classifier_workers  # `precompile serve --workers 2` (tests/conftest.py)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # no TCP_NODELAY on this side
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        connection.request("GET", "/healthz")
+        response = connection.getresponse()
+        response.read()
+        assert response.status == 200
+        times.append(time.perf_counter() - start)
+    connection.close()
     times.sort()
     assert times[len(times) // 2] < 0.025, (
         f"median {times[len(times) // 2] * 1000:.1f} ms: the responses waited for delayed ACKs"

@@ -28,7 +28,6 @@ from loader.threads import cpu_allowance
 from precompile.serve.app import create_app
 from precompile.serve.config import ServeConfig
 from tests.test_batching_section import call as encoder_call
-from tests.test_batching_section import encoder_artifact  # noqa: F401 (the fixture, built for this module)
 from tests.test_oip import infer as infer_with
 from tests.test_serve import AppClient, invoke
 from tests.test_serve_load import DEADLINE, free_port, replace_link, stop_server, wait_ready
@@ -414,7 +413,7 @@ def test_the_batcher_batches_numpy_calls(classifier_artifact):
     assert stats["batching"]["batches"] < len(calls) and stats["calls"] == stats["batching"]["batches"]
 
 
-def test_the_batcher_pads_numpy_calls_to_the_longest(encoder_artifact):  # noqa: F811 (the fixture)
+def test_the_batcher_pads_numpy_calls_to_the_longest(encoder_artifact):
     encoder = loader.load_native(encoder_artifact)
     calls = [
         tuple(t.numpy() for t in encoder_call(*c, **k))

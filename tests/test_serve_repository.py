@@ -214,9 +214,16 @@ def test_one_artifact_is_served_as_before_and_by_its_name(classifier_artifact):
 
 
 @pytest.fixture(scope="module")
-def served(repo):
-    """`precompile serve REPO` with the defaults (latest:1, no repository control)."""
-    with serve_command(repo) as port:
+def grpc_port() -> int:
+    from .test_serve_load import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def served(repo, grpc_port):
+    """`precompile serve REPO` with the defaults (latest:1, no repository control), and --grpc-port."""
+    with serve_command(repo, "--grpc-port", str(grpc_port)) as port:
         yield f"http://127.0.0.1:{port}"
 
 
@@ -536,17 +543,14 @@ def test_a_store_prefix_that_push_wrote_is_a_repository(
         server.stop()
 
 
-def test_grpc_serves_every_model_of_the_repository_by_name_and_version(repo, structured_artifact):
+def test_grpc_serves_every_model_of_the_repository_by_name_and_version(served, grpc_port, repo, structured_artifact):
     """--grpc-port on a repository: ModelInfer finds each model (and version) where the HTTP routes do;
     an unknown one is NOT_FOUND, counted under model="" (a client cannot grow the label set)."""
     grpc_client = pytest.importorskip("tritonclient.grpc")
     from tritonclient.utils import InferenceServerException
 
-    from .test_serve_load import free_port
-
-    grpc_port = free_port()
-    with serve_command(repo, "--grpc-port", str(grpc_port)) as port:
-        c = grpc_client.InferenceServerClient(url=f"127.0.0.1:{grpc_port}")
+    # The module's server: no other test calls it over gRPC, so the gRPC counts below are this test's.
+    with grpc_client.InferenceServerClient(url=f"127.0.0.1:{grpc_port}") as c:
         _, (ids, mask) = classifier_body(2, batch=2, seq=9)
         inputs = [grpc_client.InferInput("ids", [2, 9], "INT64"), grpc_client.InferInput("mask", [2, 9], "BOOL")]
         inputs[0].set_data_from_numpy(ids.numpy())
@@ -571,7 +575,7 @@ def test_grpc_serves_every_model_of_the_repository_by_name_and_version(repo, str
             with pytest.raises(InferenceServerException) as raised:
                 c.infer(name, inputs, model_version=version)
             assert raised.value.status() == "StatusCode.NOT_FOUND", raised.value.message()
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        text = httpx.get(f"{served}/metrics", timeout=30).text
     counted = samples(text)
     assert counted[("precompile_grpc_requests_total", (("code", "OK"), ("model", CLASSIFIER)))] == 2
     assert counted[("precompile_grpc_requests_total", (("code", "NOT_FOUND"), ("model", "")))] == 1
