@@ -65,6 +65,33 @@ from .errors import LoaderError
 from .live import Live, Serving
 
 # Upper bounds (ms) of the queue-wait histogram's buckets; the last bucket is everything above.
+# The results of one batch are set inside a burst (``_together``): a done-callback that would wake
+# another thread (an event loop awaiting the futures) asks ``after_burst`` to do so once, at its end,
+# rather than once per future while the loop races the worker for the GIL between two of them.
+_burst = threading.local()
+
+
+def after_burst(wake: Callable[[], None]) -> bool:
+    """Inside a burst of futures set together on this thread, have ``wake`` called once when the burst
+    ends (however many of its futures ask) and return True; outside one, return False (wake now)."""
+    pending = getattr(_burst, "pending", None)
+    if pending is None:
+        return False
+    if wake not in pending:
+        pending.append(wake)
+    return True
+
+
+class _together:
+    def __enter__(self) -> None:
+        _burst.pending = []
+
+    def __exit__(self, *exc: object) -> None:
+        pending, _burst.pending = _burst.pending, None
+        for wake in pending:
+            wake()
+
+
 WAIT_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 
 
@@ -306,8 +333,9 @@ class Batcher:
                 self._run_alone(call)
             return
         self._count_batch(batch, rows, size, grown)
-        for call, piece in zip(batch, pieces):
-            call.future.set_result((piece, variant, serving))
+        with _together():
+            for call, piece in zip(batch, pieces):
+                call.future.set_result((piece, variant, serving))
 
     def _run_alone(self, call: _Call) -> None:
         try:

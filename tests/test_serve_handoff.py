@@ -45,9 +45,9 @@ def test_a_batch_reaches_the_loop_in_one_wake_up(classifier):
     got, wake_ups = asyncio.run(main())
     for (outputs, _, _), args in zip(got, calls):
         torch.testing.assert_close(outputs, classifier(*args), rtol=1e-4, atol=1e-5)
-    # One per future with asyncio.wrap_future; here the eight set together arrive together (a second
-    # wake-up only where the worker was made to let go of the GIL between two of them).
-    assert 1 <= len(wake_ups) < len(calls) / 2, wake_ups
+    # One per future with asyncio.wrap_future; here the eight set in one burst wake the loop once,
+    # however the loop and the worker share the GIL meanwhile (a busy machine gave eight before).
+    assert len(wake_ups) == 1, wake_ups
 
 
 def test_cancelling_drops_the_call_and_errors_are_raised_where_awaited(classifier):

@@ -6,7 +6,8 @@ self-pipe, then a pass of the loop). A batch of eight ends in eight futures set 
 from the worker's thread: the loop woke at the first and took the GIL back and forth with the worker
 for the other seven (traced under load: up to a millisecond of the worker's time per batch, before it
 could take the next one). Here the futures that finish while the loop has not yet run are handed over
-together, in one callback.
+together, in one callback: the loader's Batcher sets a batch's futures in one burst
+(``loader.batch.after_burst``), and the loop is woken once at its end.
 
     results = loop_results()                       # the running loop's (one per loop)
     outputs = await results.wrap(batcher.submit(...))
@@ -22,6 +23,8 @@ import collections
 import threading
 import weakref
 from concurrent.futures import Future
+
+from loader.batch import after_burst
 
 _LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopResults] = weakref.WeakKeyDictionary()
 
@@ -48,6 +51,10 @@ class LoopResults:
             if self._woken:
                 return
             self._woken = True
+        if not after_burst(self._wake):  # a batch's results: one wake-up once all of them are set
+            self._wake()
+
+    def _wake(self) -> None:
         try:
             self._loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed: nobody awaits it any more
