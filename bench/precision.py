@@ -481,7 +481,7 @@ def run_bf16_static(work: Path, size: tuple[int, ...], seconds: float, log: Call
         for n in nodes:
             key = f"{n.node_type} {n.exec_type}"
             kinds[key] = kinds.get(key, 0) + 1
-        rows[f"{label} ({compiled.get_property('INFERENCE_PRECISION_HINT')})"] = {
+        rows[f"{label} ({compiled.get_property('INFERENCE_PRECISION_HINT').get_type_name()})"] = {
             "ms": wall,
             "cpu_ms": cpu_ms(lambda: request.infer(feed)),
             "kinds": kinds,
