@@ -18,6 +18,23 @@ Needs the bench extra (make venv-bench). Run it on a quiet machine: about 15 min
 ``cpu: {isa: [native, x86-64-v3, x86-64-v4]}`` (the levels this host runs) and times, per shape, the
 native variants against each level's (``loader.load(cpu_isa=...)``): AVX2 against AVX-512 on one
 CPU, and both against the build host's own code. ``--models quick`` is the smoke run (a tiny model).
+
+``--int8-options``: what each int8 static option gives, in accuracy only (deterministic: it needs no
+quiet machine, and compiles nothing). Per option of ``INT8_OPTIONS``, the model is quantized by the
+build's own PT2E code (``precompile.stages.quantize.static_int8``) on calibration inputs drawn as the
+build draws them, and run in eager (the quantize/dequantize graph Inductor lowers to oneDNN's int8
+kernels); the table is its cosine against fp32 eager on held-out inputs (other seeds, the same traffic
+shapes): the smallest over rows (what the gate checks), the 5th percentile, the mean, and the mean
+relative error of the output rows. Two options are also compiled as the build compiles them
+(Inductor's int8 lowering) and measured the same way, with their distance to the eager q/dq graph.
+ResNet-50: about 10 minutes on 2 cores.
+
+``--bf16-static``: where a static bf16 ResNet-50 call spends its time, against OpenVINO's. Compiles
+the model for one image size (``--size``, default 1×128²) in bf16 and fp32 as the build does
+(``stages.compile.compile_package``, freezing), then per method: the median ms per call, the CPU ms
+per call, and for one call the oneDNN primitives that run (kernel, count, reorders), their summed
+time and what is left outside them (allocation, Inductor's own kernels, dispatch); for OpenVINO
+(default and f32) its nodes per kind and their summed time (``PERF_COUNT``). About 5 minutes.
 """
 
 from __future__ import annotations
@@ -287,6 +304,225 @@ def run_isa(name: str, work: Path, seconds: float, log: Callable[[str], None]) -
     }
 
 
+# (label, quantization section over the schema's defaults, calibration samples, also compiled):
+# "per-tensor weights" is a reference point the build does not offer (torchao's x86 recipe
+# quantizes weights per output channel). A compiled row is the option as the build compiles it.
+LAST_BLOCK = "classifier.resnet.encoder.stages.3.layers.2"  # ResNet-50's last bottleneck block: 3 of 54 layers
+INT8_OPTIONS: list[tuple[str, dict[str, Any], int, bool]] = [
+    ("default (per-channel weights, histogram)", {}, 16, True),
+    ("per-tensor weights", {"weights": "per_tensor"}, 16, False),
+    ("observer: minmax", {"observer": "minmax"}, 16, False),
+    ("observer: percentile", {"observer": "percentile"}, 16, False),
+    ("keep: [first]", {"keep": ["first"]}, 16, False),
+    ("keep: [last]", {"keep": ["last"]}, 16, False),
+    ("keep: [first, last]", {"keep": ["first", "last"]}, 16, False),
+    ("keep: [first, last], 64 samples", {"keep": ["first", "last"]}, 64, False),
+    ("64 samples", {}, 64, False),
+    ("keep: [first, last], percentile", {"keep": ["first", "last"], "observer": "percentile"}, 16, False),
+    ("keep: the last block", {"keep": [LAST_BLOCK]}, 16, False),
+    ("keep: the last block, 64 samples", {"keep": [LAST_BLOCK]}, 64, True),
+]
+
+
+def run_int8_options(name: str, held_out: int, work: Path, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """``INT8_OPTIONS`` on ``name``'s precision profile: accuracy per option (the module docstring);
+    the default once more as the build compiles it (into ``work``)."""
+    import importlib
+    import sys
+
+    from precompile.calibration import calibration_inputs
+    from precompile.options import unit_options
+    from precompile.profile import load_profile
+    from precompile.stages import quantize
+    from precompile.stages.compile import compile_package
+    from precompile.tracing import export_model
+    from precompile.traffic import read_distribution
+
+    loaded = load_profile(PROFILES / f"{name}_precision.yaml")
+    profile, traffic = loaded.profile, read_distribution(loaded)
+    sys.path.insert(0, str(PROFILES))
+    module, factory = profile.model.factory.split(":")
+    model = getattr(importlib.import_module(module), factory)()
+    if quantize.int8_method(profile, model) != "static":
+        log(f"  {name}: int8 is dynamic for it (no convolutions): no static options to compare")
+        return None
+
+    def draw(count: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+        changed = profile.model_copy(
+            update={
+                "check": profile.check.model_copy(update={"seed": seed}),
+                "calibration": profile.calibration.model_copy(update={"samples": count}),
+            }
+        )
+        return [args for _, args in calibration_inputs(loaded.model_copy(update={"profile": changed}), traffic)]
+
+    calibration = draw(max(count for _, _, count, _ in INT8_OPTIONS), profile.check.seed)
+    held = draw(held_out, profile.check.seed + 1000)
+    with torch.no_grad():
+        want = torch.cat([model(*args) for args in held]).double()
+    hint = {d: s.max for d, s in profile.dims.items()}
+    ranges = {d: (s.min, s.max) for d, s in profile.dims.items()}
+    ep = export_model(model, profile, ranges, hint)
+    rows = []
+    for label, changes, count, compile_too in INT8_OPTIONS:
+        changes = dict(changes)
+        per_tensor = changes.pop("weights", None) == "per_tensor"
+        spec = type(profile.quantization)(int8=profile.quantization.int8, **changes)  # not the profile's own
+        if per_tensor:
+            converted = _per_tensor_int8(ep.module(), spec, calibration[:count])
+        else:
+            converted = quantize.static_int8(ep.module(), spec, calibration[:count])
+        with torch.no_grad():
+            got = torch.cat([converted(*args) for args in held]).double()
+        rows.append(_accuracy_row(label, count, want, got))
+        log(_describe_row(rows[-1]))
+        if compile_too:
+            again = export_model(converted, profile, ranges, hint)
+            package = compile_package(again, work / f"{name}-int8-{len(rows)}.pt2", unit_options({}, "int8"))
+            compiled = torch._inductor.aoti_load_package(str(package.path))
+            with torch.no_grad():
+                lowered = torch.cat([compiled(*args) for args in held]).double()
+            rows.append(_accuracy_row(f"{label}, compiled (Inductor)", count, want, lowered))
+            rows[-1]["rel_err_vs_eager_qdq"] = float(((lowered - got).norm(dim=-1) / got.norm(dim=-1)).mean())
+            log(_describe_row(rows[-1]) + f"  (vs the eager q/dq graph: {rows[-1]['rel_err_vs_eager_qdq']:.4f})")
+    return {"model": name, "held_out_rows": int(want.shape[0]), "options": rows}
+
+
+def _accuracy_row(label: str, samples: int, want: torch.Tensor, got: torch.Tensor) -> dict[str, Any]:
+    """Output rows ``got`` against fp32 eager's ``want``: cosine (smallest, 5th percentile, mean), mean relative error."""
+    cos = torch.nn.functional.cosine_similarity(want, got, dim=-1)
+    return {
+        "option": label,
+        "samples": samples,
+        "min": float(cos.min()),
+        "p5": float(cos.quantile(0.05)),
+        "mean": float(cos.mean()),
+        "rel_err": float(((want - got).norm(dim=-1) / want.norm(dim=-1)).mean()),
+    }
+
+
+def _describe_row(row: dict[str, Any]) -> str:
+    return (
+        f"  {row['option']:<48} min {row['min']:.4f}  p5 {row['p5']:.4f}  mean {row['mean']:.5f}  "
+        f"rel.err {row['rel_err']:.4f}"
+    )
+
+
+def _per_tensor_int8(graph: Any, spec: Any, samples: list[tuple[torch.Tensor, ...]]) -> Any:
+    """``static_int8`` with one weight scale per tensor (MinMax): the reference point of INT8_OPTIONS."""
+    import dataclasses
+
+    from torchao.quantization.pt2e.observer import MinMaxObserver
+
+    from precompile.stages import quantize
+
+    quantizer = quantize.static_quantizer(spec, graph)
+    config = quantizer.global_config
+    weight = dataclasses.replace(
+        config.weight,
+        qscheme=torch.per_tensor_symmetric,
+        ch_axis=None,
+        observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12),
+    )
+    quantizer.set_global(dataclasses.replace(config, weight=weight))
+    return quantize.static_int8(graph, spec, samples, quantizer=quantizer)
+
+
+def run_bf16_static(work: Path, size: tuple[int, ...], seconds: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """ResNet-50 at one static ``size`` in bf16 and fp32 (compiled as the build does) against
+    OpenVINO: time per call, and per call the primitives and the time inside them (the module docstring)."""
+    import copy
+    import resource
+
+    import openvino as ov
+
+    from precompile.options import unit_options
+    from precompile.profile import load_profile
+    from precompile.stages.compile import compile_package
+    from precompile.stages.quantize import Bf16
+    from precompile.stages.resolve import resolve_model
+    from precompile.tracing import export_model
+
+    from .onnx_export import export_onnx
+    from .peers import OPENVINO_CONFIG
+
+    loaded = load_profile(PROFILES / "resnet50_precision.yaml")
+    profile, model = loaded.profile, resolve_model(loaded)
+    dims = dict(zip(("batch", "height", "width"), (size[0], size[2], size[3])))
+    x = torch.rand(*size, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    work.mkdir(parents=True, exist_ok=True)
+
+    def cpu_ms(fn: Callable[[], Any], calls: int = 20) -> float:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        for _ in range(calls):
+            fn()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        return 1000 * (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / calls
+
+    rows = {}
+    for precision in ("bf16", "fp32"):
+        path = work / f"resnet50-{precision}-{'x'.join(map(str, size))}.pt2"
+        if not path.exists():
+            m = Bf16(copy.deepcopy(model).to(torch.bfloat16)).eval() if precision == "bf16" else model
+            ep = export_model(m, profile, {d: (n, n) for d, n in dims.items()}, dims)
+            compile_package(ep, path, unit_options({"freezing": True}, precision=precision))
+        run = torch._inductor.aoti_load_package(str(path))
+        wall = median_ms(lambda: run(x), seconds)
+        primitives = _onednn_primitives(lambda: run(x), work / f"verbose-{precision}.txt")
+        rows[f"precompile {precision} (static)"] = {"ms": wall, "cpu_ms": cpu_ms(lambda: run(x)), **primitives}
+    onnx = export_onnx(model, profile, work / "model.onnx")
+    core = ov.Core()
+    for method, label in (("openvino", "OpenVINO default"), ("openvino-f32", "OpenVINO f32")):
+        network = core.read_model(onnx["path"])
+        network.reshape({network.inputs[0].get_any_name(): list(size)})
+        compiled = core.compile_model(network, "CPU", {**OPENVINO_CONFIG[method], "PERF_COUNT": "YES"})
+        request = compiled.create_infer_request()
+        feed = {0: x.numpy()}
+        wall = median_ms(lambda: request.infer(feed), seconds)
+        request.infer(feed)
+        nodes = [n for n in request.profiling_info if n.status == n.Status.EXECUTED]
+        kinds: dict[str, int] = {}
+        for n in nodes:
+            key = f"{n.node_type} {n.exec_type}"
+            kinds[key] = kinds.get(key, 0) + 1
+        rows[f"{label} ({compiled.get_property('INFERENCE_PRECISION_HINT').get_type_name()})"] = {
+            "ms": wall,
+            "cpu_ms": cpu_ms(lambda: request.infer(feed)),
+            "kinds": kinds,
+            "inside_ms": sum(n.real_time.total_seconds() for n in nodes) * 1000,
+        }
+    for label, row in rows.items():
+        log(
+            f"  {label:<32} {row['ms']:7.2f} ms/call  cpu {row['cpu_ms']:6.2f} ms  inside kernels "
+            f"{row['inside_ms']:6.2f} ms  {row['kinds']}"
+        )
+    return {"model": "resnet50", "size": list(size), "threads": torch.get_num_threads(), "methods": rows}
+
+
+def _onednn_primitives(call: Callable[[], Any], log_path: Path) -> dict[str, Any]:
+    """One ``call`` under oneDNN's verbose mode: the primitives per kind and kernel, and their summed ms."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    saved = os.dup(1)
+    os.dup2(fd, 1)  # oneDNN prints with printf: only the file descriptor catches it
+    try:
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+            call()
+    finally:
+        os.dup2(saved, 1)
+        os.close(fd)
+        os.close(saved)
+    kinds: dict[str, int] = {}
+    inside = 0.0
+    for line in log_path.read_text().splitlines():
+        fields = line.split(",")
+        if line.startswith("onednn_verbose") and "exec" in fields and fields[fields.index("exec") + 1] == "cpu":
+            i = fields.index("exec")
+            key = f"{fields[i + 2]} {fields[i + 3]}"
+            kinds[key] = kinds.get(key, 0) + 1
+            inside += float(fields[-1])
+    return {"kinds": kinds, "inside_ms": inside}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["minilm", "resnet50"], choices=sorted(SHAPES))
@@ -294,9 +530,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/precision.json (isa.json)")
     parser.add_argument("--isa", action="store_true", help="time the x86-64 levels' variants against native")
     parser.add_argument(
-        "--work", type=Path, help="--isa: build into (and time again from) this folder instead of a temporary one"
+        "--work",
+        type=Path,
+        help="--isa, --bf16-static: build into (and time again from) this folder instead of a temporary one",
     )
     parser.add_argument("--build-only", action="store_true", help="--isa with --work: build, time nothing")
+    parser.add_argument(
+        "--int8-options", action="store_true", help="accuracy of each int8 static option (INT8_OPTIONS), no timing"
+    )
+    parser.add_argument("--held-out", type=int, default=64, help="--int8-options: held-out inputs per option")
+    parser.add_argument(
+        "--bf16-static", action="store_true", help="ResNet-50 bf16 at one static size: where a call's time goes"
+    )
+    parser.add_argument("--size", default="1x3x128x128", help="--bf16-static: the input's shape")
     parser.add_argument(
         "--write-calibration", action="store_true", help="rewrite profiles/bench/minilm_calibration.jsonl and stop"
     )
@@ -304,6 +550,26 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.write_calibration:
         write_minilm_calibration(PROFILES / "minilm_calibration.jsonl")
+        return
+    if args.int8_options:
+        args.out = args.out or ROOT / "bench" / "results" / "int8_options.json"
+        models = [m for m in args.models if (PROFILES / f"{m}_precision.yaml").exists()]
+        results = []
+        for name in models:
+            print(f"{name}: int8 static options, cosine vs fp32 eager on {args.held_out} held-out inputs", flush=True)
+            with tempfile.TemporaryDirectory(prefix="int8-options-") as tmp:
+                results.append(run_int8_options(name, args.held_out, Path(tmp), lambda s: print(s, flush=True)))
+        args.out.write_text(json.dumps({"results": [r for r in results if r]}, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+        return
+    if args.bf16_static:
+        args.out = args.out or ROOT / "bench" / "results" / "bf16_static.json"
+        size = tuple(int(n) for n in args.size.split("x"))
+        with tempfile.TemporaryDirectory(prefix="bf16-static-") as tmp:
+            work = args.work or Path(tmp)
+            result = run_bf16_static(work, size, args.seconds, lambda s: print(s, flush=True))
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
         return
     args.out = args.out or ROOT / "bench" / "results" / ("isa.json" if args.isa else "precision.json")
     if not args.isa and "quick" in args.models:

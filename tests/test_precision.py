@@ -88,6 +88,7 @@ def strict_gate(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def conv_int8(tmp_path_factory):
+    """The conv net in int8 (static), its stem kept in fp32 and activations calibrated by percentile."""
     folder = tmp_path_factory.mktemp("conv")
     profile = write(
         folder,
@@ -103,6 +104,7 @@ def conv_int8(tmp_path_factory):
         precision: [int8]
         accuracy: {metric: cosine, threshold: 0.98, min_speedup: 0}
         calibration: {samples: 8}
+        quantization: {observer: percentile, keep: [first]}
         """,
     )
     return build(profile, folder / "artifact")
@@ -340,6 +342,8 @@ def test_auto_ranks_each_variants_twins_by_their_own_measurement():
         ("calibration: {file: missing.jsonl}", "calibration.file", "file not found"),
         ("calibration: {samples: 0}", "calibration.samples", "greater than or equal to 1"),
         ("quantization: {int8: fast}", "quantization.int8", "is not one of"),
+        ("quantization: {observer: mean}", "quantization.observer", "is not one of"),
+        ("quantization: {keep: first}", "quantization.keep", "list"),
     ],
 )
 def test_profile_errors_name_the_place(tmp_path, extra, place, message):

@@ -244,6 +244,20 @@ class QuantizationSpec(_Strict):
             "when the model has convolutions, else dynamic"
         ),
     )
+    observer: Literal["histogram", "minmax", "percentile"] = Field(
+        default="histogram",
+        description=(
+            "int8 static: how calibration sets each activation's range: histogram (torchao's default, the "
+            "range that minimizes the L2 error), minmax (everything seen), percentile (0.01st to 99.99th)"
+        ),
+    )
+    keep: list[str] = Field(
+        default_factory=list,
+        description=(
+            "int8 static: layers left in fp32: first and last (the first and the last convolution or linear layer "
+            "that runs: a convnet's stem and classifier), or module names (e.g. 'resnet.encoder.stages.3')"
+        ),
+    )
 
 
 class CudaSpec(_Strict):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from torch.export import ExportedProgram
 from ..calibration import Sample, fallback_inputs, inside
 from ..errors import CompileError, ExportError
 from ..profile import Profile
+from ..profile.schema import QuantizationSpec
 from ..quiet import quiet_third_party_warnings
 from ..tracing import export_model
 from ..units import VariantPlan
@@ -88,30 +90,126 @@ def _export_static_int8(
     model: torch.nn.Module, profile: Profile, vp: VariantPlan, hint: dict[str, int], calibration: Sequence[Sample]
 ) -> ExportedProgram:
     """PT2E: export, insert observers (X86InductorQuantizer), calibrate, convert, export again."""
-    with quiet_torchao():
-        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
     ep = export_model(model, profile, vp.ranges, hint)
-    quantizer = xiq.X86InductorQuantizer()
-    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
     samples = [args for sizes, args in calibration if inside(sizes, vp.ranges)]
     samples = samples or [args for _, args in fallback_inputs(profile, vp.ranges)]
+    converted = static_int8(ep.module(), profile.quantization, samples)
+    try:
+        return export_model(converted, profile, vp.ranges, hint)
+    except ExportError as e:
+        raise ExportError(f"re-exporting the int8 (static) model failed: {e}") from None
+
+
+def static_int8(
+    graph: torch.fx.GraphModule,
+    spec: QuantizationSpec,
+    samples: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    quantizer: Any = None,
+) -> torch.fx.GraphModule:
+    """The exported ``graph`` quantized by PT2E as ``spec`` says (observers, keep), calibrated on
+    ``samples``: quantize/dequantize nodes around each int8 op, which Inductor lowers to oneDNN's
+    int8 kernels (and which runs as is in eager, for measuring an option). ``quantizer``: another
+    than ``static_quantizer``'s (bench.precision's reference points)."""
+    with quiet_torchao():
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    quantizer = quantizer or static_quantizer(spec, graph)
     try:
         with torch.no_grad():
-            prepared = prepare_pt2e(ep.module(), quantizer)
+            prepared = prepare_pt2e(graph, quantizer)
             for args in samples:
                 prepared(*args)
-            converted = convert_pt2e(prepared)
+            return convert_pt2e(prepared)
     except Exception as e:  # the quantizer's annotation and observers raise many types
         raise CompileError(
             f"int8 (static, PT2E X86InductorQuantizer) failed: {type(e).__name__}: {str(e)[:1000]}; "
             "try quantization.int8: dynamic, or drop int8 from precision"
         ) from None
-    try:
-        return export_model(converted, profile, vp.ranges, hint)
-    except ExportError as e:
-        raise ExportError(f"re-exporting the int8 (static) model failed: {e}") from None
+
+
+def static_quantizer(spec: QuantizationSpec, graph: torch.fx.GraphModule) -> Any:
+    """torchao's X86InductorQuantizer with its default config (int8 weights per output channel,
+    uint8 activations per tensor) but ``spec.observer`` for activations, and the layers of
+    ``spec.keep`` (resolved in ``graph``) left in fp32."""
+    with quiet_torchao():
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+
+    config = xiq.get_default_x86_inductor_quantization_config()
+    if spec.observer != "histogram":
+        activation = dataclasses.replace(
+            config.input_activation, observer_or_fake_quant_ctr=_OBSERVERS[spec.observer]().with_args(eps=2**-12)
+        )
+        config = dataclasses.replace(config, input_activation=activation, output_activation=activation)
+    quantizer = xiq.X86InductorQuantizer().set_global(config)
+    for name in kept_layers(graph, spec.keep):
+        quantizer.set_module_name_qconfig(name, None)
+    return quantizer
+
+
+QUANTIZABLE = {"conv1d", "conv2d", "conv3d", "linear"}
+
+
+def quantizable_layers(graph: torch.fx.GraphModule) -> list[str]:
+    """The modules of the exported ``graph``'s convolutions and linear layers, in the order they run."""
+    out: list[str] = []
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in QUANTIZABLE:
+            stack = node.meta.get("nn_module_stack") or {}
+            if stack:
+                name = list(stack.values())[-1][0].removeprefix("L['self'].")
+                if name not in out:
+                    out.append(name)
+    return out
+
+
+def kept_layers(graph: torch.fx.GraphModule, keep: Sequence[str]) -> list[str]:
+    """``keep``'s entries as module names: ``first`` and ``last`` are the first and the last
+    convolution or linear layer that runs; any other entry names a module (its layers all stay fp32)."""
+    layers = quantizable_layers(graph)
+    modules = {name for name, _ in graph.named_modules()} | {
+        p.removeprefix("L['self'].")
+        for node in graph.graph.nodes
+        for p, _ in (node.meta.get("nn_module_stack") or {}).values()
+    }
+    out = []
+    for entry in keep:
+        if entry in ("first", "last"):
+            if layers:
+                out.append(layers[0] if entry == "first" else layers[-1])
+        elif entry in modules:
+            out.append(entry)
+        else:
+            near = ", ".join(layers[:3] + ["..."] + layers[-2:]) if len(layers) > 5 else ", ".join(layers)
+            raise CompileError(
+                f"quantization.keep: the model has no module {entry!r} (its convolution and linear layers: {near})"
+            )
+    return list(dict.fromkeys(out))
+
+
+def _percentile_observer() -> type:
+    """A histogram observer whose range is the 0.01st to the 99.99th percentile of what it saw, the
+    clipping TensorRT and OpenVINO's calibrators offer beside the L2 search torchao's default does."""
+    with quiet_torchao():
+        from torchao.quantization.pt2e.observer import HistogramObserver
+
+    class Percentile(HistogramObserver):
+        def _non_linear_param_search(self) -> tuple[torch.Tensor, torch.Tensor]:
+            cdf = torch.cumsum(self.histogram, 0) / self.histogram.sum().clamp(min=1)
+            width = (self.max_val - self.min_val) / self.bins
+            lo = int(torch.searchsorted(cdf, torch.tensor(1e-4)))
+            hi = int(torch.searchsorted(cdf, torch.tensor(1 - 1e-4)))
+            return self.min_val + lo * width, self.min_val + (hi + 1) * width
+
+    return Percentile
+
+
+def _minmax_observer() -> type:
+    with quiet_torchao():
+        from torchao.quantization.pt2e.observer import MinMaxObserver
+    return MinMaxObserver
+
+
+_OBSERVERS = {"minmax": _minmax_observer, "percentile": _percentile_observer}
 
 
 # Warnings printed on import by packages a model may pull in, that say nothing about the build:
