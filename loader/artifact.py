@@ -92,11 +92,12 @@ def verify_files(
 ) -> dict[str, list[int]]:
     """Check that every listed file exists as a regular file with the listed size (and sha256).
 
-    ``known`` maps a file to the identity (size, mtime_ns, ctime_ns, inode) it had when it was last
-    hashed; a file that still has it is not hashed again (a write changes ctime, which no one can
-    set back). ``hashed_on_read`` names files the caller hashes as it reads them (``read_private``):
-    their sizes are checked here, their hashes there. Returns every file's identity now, for the
-    caller to remember.
+    ``known`` maps a file to the identity (size, mtime_ns, ctime_ns, inode, device) it had when it was
+    last hashed; a file that still has it is not hashed again (any write, chmod or rename moves its
+    ctime, which only the clock's owner can set back; inode and device tell a replaced file).
+    ``hashed_on_read`` names files the caller hashes as it reads them (``read_private``, a variant's
+    package as it is opened): their sizes are checked here, their hashes there. Returns every file's
+    identity now, for the caller to remember.
     """
     root = Path(root)
     identities = {}
@@ -112,7 +113,7 @@ def verify_files(
             raise ArtifactError(f"{root}: {rel} is not a regular file")
         if st.st_size != entry.size:
             raise ArtifactError(f"{root}: {rel} is {st.st_size} bytes, the manifest says {entry.size}")
-        identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
         unchanged = (known is not None and known.get(rel) == identity) or rel in hashed_on_read
         if hashes and not unchanged:
             try:
