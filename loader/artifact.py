@@ -124,3 +124,29 @@ def verify_files(
                 raise ArtifactError(f"{root}: {rel} does not match its sha256 in the manifest (changed or corrupt)")
         identities[rel] = identity
     return identities
+
+
+class HeldFile:
+    """A file of the artifact opened now and read later (a variant opened on demand): renaming or
+    deleting it, or its folder, in between changes nothing (deploying by ``mv new current`` and
+    removing the old folder is safe); rewriting it in place is caught by its hash when it is read.
+    ``path`` reads the very file held (``/proc/self/fd/N``, a fresh read position each time)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.name = str(path)  # for messages
+        try:
+            self._fd: int | None = os.open(
+                path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            )
+        except OSError as e:
+            raise ArtifactError(f"{path}: cannot read ({e.strerror})") from None
+        proc = f"/proc/self/fd/{self._fd}"
+        self.path = proc if os.path.exists(proc) else self.name  # elsewhere: the name, as before
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .aoti import load_constants, open_package
-from .artifact import sha256_file
+from .artifact import HeldFile, sha256_file
 from .cuda import CudaRunner, GraphedRunner, parse_device
 from .dispatch import ServedModel
 from .errors import ArtifactError, IncompatibleArtifactError, first_line
@@ -25,6 +25,7 @@ from .host import host_facts, native_cpu_problem
 from .isa import AUTO, IsaChoice, choose_isa
 from .manifest import Manifest, Variant
 from .opening import DEFAULT_OPEN, OnDemand, check_open_mode, open_variants, start_background
+from .pages import ConstantsRelease, mapped_libraries
 from .policy import ArrayOps
 from .precision import REQUESTS, Choice, choose
 from .source import Opened, open_artifact
@@ -256,15 +257,27 @@ def _open_runners(
         have = sorted({v.device for v in manifest.variants})
         raise IncompatibleArtifactError(f"{root}: no variants for {kind} (the artifact has {', '.join(have)} variants)")
 
+    held = {vid: HeldFile(root / v.file) for vid, v in mine.items()}  # until each is opened
+
     def open_one(variant_id: str) -> Any:
         v = mine[variant_id]
-        _check_package(opened, v)
+        try:
+            _check_package(opened, v, held[variant_id].path)
+        except BaseException:
+            held[variant_id].close()
+            raise
         try:
             single = graphs and v.kind == "static"
-            runner = open_package(str(root / v.file), single_threaded=single, device_index=index)
+            before = mapped_libraries() if v.embedded_constants and kind == "cpu" else None
+            runner = open_package(held[variant_id].path, single_threaded=single, device_index=index)
+            if before is not None:  # the package loader copied the constants out of the library it opened
+                for library in mapped_libraries() - before:
+                    ConstantsRelease(Path(library)).release()
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
             raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {first_line(e)}") from None
+        finally:
+            held[variant_id].close()  # AOTInductor copied the library out; a failed variant is refused for good
         if kind == "cuda":
             runner = CudaRunner(runner, index, single_threaded=single)
         if not v.embedded_constants:  # a frozen package holds its own (hashed with it); nothing to hand over
@@ -275,13 +288,15 @@ def _open_runners(
     return runners, on_device, pending
 
 
-def _check_package(opened: Opened, v: Variant) -> None:
-    """Hash a folder's variant package now, just before it is opened (``open_artifact`` left it)."""
+def _check_package(opened: Opened, v: Variant, path: str) -> None:
+    """Hash a folder's variant package (read from ``path``) just before it is opened
+    (``open_artifact`` left it). AOTInductor reads it again to open it: a package rewritten in
+    place in between is not caught here, as it was not when every package was hashed at load."""
     sha256 = opened.package_sha256(v)
     if sha256 is None:
         return
     try:
-        digest = sha256_file(opened.root / v.file)
+        digest = sha256_file(path)
     except OSError as e:
         raise ArtifactError(f"{opened.root}: {v.file}: cannot read ({e.strerror})") from None
     if digest != sha256:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import shutil
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,6 +77,19 @@ def test_a_variant_whose_package_changed_after_the_load_never_runs(tagger_build,
         with pytest.raises(ArtifactError, match=f"{last.file} does not match its sha256"):
             call(model, kind, 8, 32)
     assert call(model, kind, 1, 16)[2] == model.variants[0].id  # the others serve on
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+def test_a_folder_removed_before_its_last_variant_opens_still_serves_it(tagger_build, eager, kind, tmp_path):
+    """Deploying by rename then deleting the old folder: what was loaded is what serves, all of it."""
+    path = tmp_path / "current"
+    shutil.copytree(tagger_build.path, path)
+    model = LOADERS[kind](path, open="lazy")
+    shutil.rmtree(path)
+    tags, pooled, variant = call(model, kind, 8, 32)
+    want_tags, want_pooled, want_variant = call(eager[kind], kind, 8, 32)
+    assert variant == want_variant == model.variants[-1].id
+    assert np.array_equal(tags, want_tags) and np.array_equal(pooled, want_pooled)
 
 
 @pytest.mark.parametrize("kind", LOADERS)
@@ -154,3 +168,48 @@ def test_a_package_changed_between_the_look_at_its_directory_and_the_read_is_ref
     monkeypatch.setattr(loader.native.package, "_locate", then_rewrite)
     with pytest.raises(ArtifactError, match="changed while it was being read"):
         extract_library(read_package(copy), io.BytesIO())
+
+
+# --- a frozen variant's constants kept once ---------------------------------------------------------
+
+BLOB = r"""
+#include <stddef.h>
+/* As AOTInductor links a package's constants: a large read-only blob in .lrodata. */
+__attribute__((section(".lrodata"), aligned(4096))) const unsigned char blob[8 << 20] = {1, 2, 3};
+size_t sum(void) { size_t s = 0; for (size_t i = 0; i < sizeof blob; i += 4096) s += blob[i] + 1; return s; }
+"""
+
+
+def resident_kb(library: Path) -> int:
+    """Resident kB of ``library``'s mappings in this process (/proc/self/smaps)."""
+    total, mine = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            mine = len(fields) == 6 and fields[5] == str(library)
+        elif mine and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_the_library_pages_a_frozen_variant_copied_its_constants_from_are_given_back(tmp_path):
+    import ctypes
+    import subprocess
+
+    from loader.pages import ConstantsRelease, constants_section
+
+    source, library = tmp_path / "blob.c", (tmp_path / "blob.so").resolve()
+    source.write_text(BLOB)
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(library), str(source)], check=True)
+    assert constants_section(library)[1] >= 8 << 20
+    lib = ctypes.CDLL(str(library))
+    lib.sum.restype = ctypes.c_size_t
+    pages = (8 << 20) // 4096
+    assert lib.sum() == pages + 1  # reads every page of the blob: now resident
+    before = resident_kb(library)
+    assert before >= 8 << 10
+    released = ConstantsRelease(library)
+    with released:
+        pass
+    assert resident_kb(library) <= before - (8 << 10) + 8  # the blob's pages are no longer this process's
+    assert lib.sum() == pages + 1  # and read again, they are what they were

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..artifact import HeldFile
 from ..dispatch import ServedModel
 from ..errors import ArtifactError, IncompatibleArtifactError
 from ..host import native_cpu_problem
@@ -30,7 +31,7 @@ from ..precision import REQUESTS, Choice, choose
 from ..source import Opened, open_artifact
 from ..weights import MappedWeights
 from .capi import NUMPY_DTYPES, CallFailed, Container, Shim
-from .libs import find_torch, host_facts, start_runtime
+from .libs import find_torch, host_facts, start_runtime_soon
 from .npguards import NUMPY_OPS, ArrayGuard
 from .package import PackageLibrary, extract_library, read_package
 
@@ -132,6 +133,8 @@ def load_native(
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
     check_open_mode(open)
     torch = find_torch()
+    # Opening torch's libraries overlaps the checks below; it opens nothing of the artifact.
+    shim = start_runtime_soon(torch, threads)
     try:
         opened = open_artifact(
             path,
@@ -158,7 +161,6 @@ def load_native(
         host = host_facts(torch)
         isa = choose_isa(manifest.variants, cpu_isa, host.cpu_features, native_cpu_problem(manifest, host), str(root))
         choice, served, packages = _choose(root, manifest, precision, host.cpu_features, isa)
-        shim = start_runtime(torch, threads)
         runners, pending = open_variants(
             [v.id for v in served], _opener(shim, opened, {v.id: v for v in served}, packages, weights), open
         )
@@ -192,12 +194,14 @@ def manifest_problem(manifest: Manifest) -> str | None:
 
 def _choose(
     root: Path, manifest: Manifest, precision: str, features: frozenset[str], isa: IsaChoice = IsaChoice()
-) -> tuple[Choice, list[Variant], dict[str, PackageLibrary]]:
+) -> tuple[Choice, list[Variant], dict[str, tuple[PackageLibrary, HeldFile]]]:
     """The precisions and CPU variants (of the chosen ISA) to serve, as ``loader.load`` chooses them,
     except that a lower precision whose variants need torch is skipped under ``precision="auto"``
-    (fp32 serves instead); and each one's package, as listed."""
+    (fp32 serves instead); and each one's package, as listed, and held open (``HeldFile``) until
+    the variant is opened."""
     cpu = [v for v in manifest.variants if v.device == "cpu" and isa.serves(v)]
-    packages = {v.id: read_package(root / v.file) for v in cpu}
+    held = {v.id: HeldFile(root / v.file) for v in cpu}
+    packages = {v.id: read_package(root / v.file, source=held[v.id].path) for v in cpu}
     # What the build recorded or, for an artifact built before it did, what the package shows.
     why = {v.id: v.needs_torch or packages[v.id].problem() for v in cpu}
     blocked = (
@@ -214,7 +218,7 @@ def _choose(
             raise _needs_torch(root, v, f"it computes in {v.dtype}, which numpy cannot cast to")
     if not served:
         raise IncompatibleArtifactError(f"{root}: no CPU variants to serve; {USE_TORCH}")
-    return choice, served, {v.id: packages[v.id] for v in served}
+    return choice, served, {v.id: (packages[v.id], held[v.id]) for v in served}
 
 
 def _refuse_inputs(manifest: Manifest, source: str) -> None:
@@ -231,29 +235,32 @@ def _needs_torch(root: Path, v: Variant, why: str) -> IncompatibleArtifactError:
 
 
 def _opener(
-    shim: Shim,
+    shim: Callable[[], Shim],
     opened: Opened,
     variants: dict[str, Variant],
-    packages: dict[str, PackageLibrary],
+    packages: dict[str, tuple[PackageLibrary, HeldFile]],
     weights: MappedWeights,
 ) -> Callable[[str], _Runner]:
     """What opens one variant by id (``loader.opening`` decides when): its library copied out of its
     package (hashed in the same pass, for a folder), opened, checked against the manifest and, unless
-    its constants are inside it, handed them as views of ``weights``' buffer."""
+    its constants are inside it, handed them as views of ``weights``' buffer. ``shim()`` waits for
+    torch's libraries, once the library is out."""
     root, manifest = opened.root, opened.manifest
 
     def open_one(variant_id: str) -> _Runner:
-        v, package = variants[variant_id], packages[variant_id]
+        v, (package, held) = variants[variant_id], packages[variant_id]
         folder = Path(tempfile.mkdtemp(prefix="precompile-native-"))  # mode 0700: private to this user
         try:
             library = folder / f"{v.id}.so"
             with library.open("wb") as out:
-                proxy = extract_library(package, out, size=manifest.files[v.file].size, sha256=opened.package_sha256(v))
+                entry, sha256 = manifest.files[v.file], opened.package_sha256(v)
+                proxy = extract_library(package, out, size=entry.size, sha256=sha256, source=held.path)
+            held.close()  # read once: a variant that failed to open is refused for good (loader.opening)
             problem = package.problem(proxy_calls=proxy)
             if problem is not None:
                 raise _needs_torch(root, v, problem)
             try:
-                container = Container(shim, library, own_constants=bool(v.embedded_constants))
+                container = Container(shim(), library, own_constants=bool(v.embedded_constants))
             except CallFailed as e:
                 raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {e}") from None
         finally:
@@ -266,7 +273,7 @@ def _opener(
                     f"{manifest.output.count()} (files from different artifacts?)"
                 )
             if not v.embedded_constants:  # a frozen package holds its own (hashed with it)
-                _hand_constants(shim, container, root, v, weights)
+                _hand_constants(container.shim, container, root, v, weights)
         except BaseException:
             container.close()
             raise

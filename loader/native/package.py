@@ -27,6 +27,7 @@ MODEL_DIR = f"data/aotinductor/{C.AOTI_MODEL_NAME}/"
 # The shim call compiled code makes for every op it hands to the proxy executor.
 PROXY_CALL = b"aoti_torch_proxy_executor_call_function"
 MAX_METADATA_BYTES = 1 << 20
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,12 @@ class PackageLibrary:
         return None
 
 
-def read_package(path: str | os.PathLike) -> PackageLibrary:
-    """List the package at ``path``; ArtifactError if it is not a readable AOTInductor package."""
+def read_package(path: str | os.PathLike, *, source: str | os.PathLike | None = None) -> PackageLibrary:
+    """List the package at ``path`` (read from ``source`` if given); ArtifactError if it is not a
+    readable AOTInductor package."""
     path = str(path)
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(source if source is not None else path) as z:
             names = z.namelist()
             libraries = [n for n in names if _in_model_dir(n) and n.endswith(".so")]
             if len(libraries) > 1:
@@ -73,7 +75,12 @@ def read_package(path: str | os.PathLike) -> PackageLibrary:
 
 
 def extract_library(
-    package: PackageLibrary, out: BinaryIO | None, *, size: int | None = None, sha256: str | None = None
+    package: PackageLibrary,
+    out: BinaryIO | None,
+    *,
+    size: int | None = None,
+    sha256: str | None = None,
+    source: str | os.PathLike | None = None,
 ) -> bool:
     """Copy the package's compiled library into ``out`` (None: only look at it), reading the package
     once, start to end; return whether the library calls torch's proxy executor.
@@ -82,11 +89,13 @@ def extract_library(
     matches: the bytes written are bytes that were hashed. The zip directory and local header that
     said where the library lies are compared with the hashed bytes too, so a package changed between
     the look at its directory and the read is refused, never run. One pass where a hash pass and a
-    copy pass were, and no copy of the library in Python's memory.
+    copy pass were, and no copy of the library in Python's memory. ``source``: where to read the
+    package from, if not ``package.path`` (a ``HeldFile``'s path).
     """
     path = package.path
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # A HeldFile's path is a link to the file it holds (opened without following links itself).
+        fd = os.open(source, os.O_RDONLY) if source is not None else os.open(path, os.O_RDONLY | NOFOLLOW)
     except OSError as e:
         raise ArtifactError(f"{path}: cannot read ({e.strerror})") from None
     with os.fdopen(fd, "rb", buffering=0) as f:
