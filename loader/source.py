@@ -3,16 +3,18 @@ folder or a pack) into a verified artifact folder, applying the caller's trust p
 
 Order, cheapest refusal first, nothing unpacked or hashed for an artifact that will be refused:
 manifest (parsed strictly) → signature → expiry, minimum version, rollback → host compatibility →
-files (a folder: sizes and sha256; a pack: unpacked into the cache once, then sizes and remembered
-hashes).
+files (a folder: sizes and sha256, but for its variant packages with ``defer_packages``, which the
+loaders hash as they open each one, ``Opened.package_sha256``; a pack: unpacked into the cache once,
+then sizes and remembered hashes).
 
 What the model will serve is fixed here too (``loader.weights``): a folder's weights are read into
 private memory and hashed as they are read, so an operator who overwrites, truncates or rsyncs the
 folder while it is served changes nothing the running model reads; a cache entry's weights are
 mapped, since only this user can write there and the entry is read-only. (The compiled code is safe
-either way: AOTInductor copies each package's library into a private temporary folder when it opens
-it.) With ``refuse_rollback`` the returned ``Opened`` holds the version ledger's lock until
-``loaded()`` or ``close()``: use it as a context manager.
+either way: each package's library is copied into a private temporary folder when its variant is
+opened, from a package the loaders hold open from the load on, ``loader.artifact.HeldFile``.)
+With ``refuse_rollback`` the returned ``Opened`` holds the version ledger's lock until ``loaded()``
+or ``close()``: use it as a context manager.
 """
 
 from __future__ import annotations
