@@ -3,7 +3,7 @@ the same model and the bench extra): fresh process to first correct result, and 
 same for the server on each runtime (process start to the first 200 of POST /v2/models/NAME/infer).
 
     python -m bench.coldstart_native ARTIFACT[=ONNX] [ARTIFACT[=ONNX] ...] [--rounds 5]
-        [--dims batch=4,seq=77] [--no-server] [-o OUT.json]
+        [--dims batch=4,seq=77] [--no-server] [--open eager|background|lazy] [-o OUT.json]
 
     # MiniLM and a convnet as the bench builds them (python -m bench --keep KEEP: KEEP/CASE/planned is the
     # artifact, KEEP/CASE/model.onnx the same model for ONNX Runtime, which needs the bench extra):
@@ -17,6 +17,10 @@ Methods, alternated round by round so a neighbour's load slows them alike:
     onnxruntime   python, numpy, ``onnxruntime`` on the ONNX file (skipped without one or without the package)
     serve-native  ``precompile serve ARTIFACT --runtime native``: start to the first 200 on /v2 infer
     serve-torch   ``precompile serve ARTIFACT --runtime torch``, the same (both skipped with --no-server)
+
+ARTIFACT is a folder or a pack (``precompile pack``; the first round unpacks it into the cache, later
+rounds load the verified entry). ``--open`` is the loaders' ``open`` (default: theirs, background:
+the first variant opened before ``load()`` returns, the others after).
 
 Each child (``--child METHOD``) imports only what its method needs, loads, runs one call on inputs
 made from the manifest (a fixed seed; each dim at ``--dims`` or the first variant's hint), and prints
@@ -50,11 +54,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER_DEADLINE = 300.0  # seconds a server may take to answer its first call
 
 
+def read_manifest(artifact: Path):
+    """The manifest of an artifact folder or of a pack (``precompile pack``: its head)."""
+    from loader.artifact import read_manifest as read_folder
+    from loader.pack import read_head
+
+    return read_head(artifact).manifest if Path(artifact).is_file() else read_folder(artifact)
+
+
 def make_case(artifact: Path, dims: dict[str, int], out: Path) -> dict[str, int]:
     """Write the inputs of one call (numpy, seeded) to ``out`` (.npz); return the dim sizes used."""
     import numpy as np
-
-    from loader.artifact import read_manifest
 
     manifest = read_manifest(artifact)
     sizes = {**manifest.variants[0].hint, **{d: n for d, n in dims.items() if d in manifest.dims}}
@@ -73,15 +83,16 @@ def make_case(artifact: Path, dims: dict[str, int], out: Path) -> dict[str, int]
     return sizes
 
 
-def child(method: str, artifact: str, case: str, out: str, onnx: str | None) -> None:
+def child(method: str, artifact: str, case: str, out: str, onnx: str | None, open_mode: str | None) -> None:
     """One cold start; everything imported here is part of what is timed."""
     import numpy as np
 
     feeds = dict(np.load(case))
+    options = {"open": open_mode} if open_mode else {}
     if method == "native":
         import loader
 
-        model = loader.load_native(artifact)
+        model = loader.load_native(artifact, **options)
         names = model.input_names
         result = model(*[feeds[n] for n in names])
     elif method == "loader":
@@ -89,7 +100,7 @@ def child(method: str, artifact: str, case: str, out: str, onnx: str | None) -> 
 
         import loader
 
-        model = loader.load(artifact)
+        model = loader.load(artifact, **options)
         result = model(*[torch.from_numpy(feeds[n]) for n in model.input_names])
     else:
         from bench.peers import open_engine
@@ -117,7 +128,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None) -> dict:
+def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None, open_mode: str | None) -> dict:
     if method.startswith("serve-"):
         return serve_once(method.removeprefix("serve-"), artifact, case, out)
     env = child_env()
@@ -131,6 +142,7 @@ def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None) 
         str(case),
         str(out),
         onnx or "",
+        open_mode or "",
     ]
     began = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -144,7 +156,6 @@ def infer_request(artifact: Path, case: Path) -> tuple[str, bytes, dict[str, str
     """The /v2 infer call of ``case``'s inputs, in binary, its first output asked for in binary."""
     import numpy as np
 
-    from loader.artifact import read_manifest
     from precompile.serve.oip import DATATYPES, HEADER_LENGTH
 
     manifest = read_manifest(artifact)
@@ -238,7 +249,6 @@ def measure(artifact: Path, onnx: str | None, opts: argparse.Namespace, dims: di
     """Every method's cold starts on one model, checked against the torch loader's result."""
     import numpy as np
 
-    from loader.artifact import read_manifest
     from loader.native import manifest_problem
 
     problem = manifest_problem(read_manifest(artifact))
@@ -265,7 +275,7 @@ def measure(artifact: Path, onnx: str | None, opts: argparse.Namespace, dims: di
         for _ in range(opts.rounds):
             for method in methods:
                 out = folder / f"{method}.npy"
-                runs[method].append(start(method, artifact, case, out, onnx))
+                runs[method].append(start(method, artifact, case, out, onnx, opts.open))
                 results[method] = np.load(out)
     reference = results["loader"]
     scale = float(np.abs(reference).max()) or 1.0
@@ -288,6 +298,7 @@ def measure(artifact: Path, onnx: str | None, opts: argparse.Namespace, dims: di
         "artifact": str(artifact),
         "dims": sizes,
         "rounds": opts.rounds,
+        "open": opts.open or "default",
         "methods": {
             m: {
                 "cold_start_s": {
@@ -309,8 +320,8 @@ def measure(artifact: Path, onnx: str | None, opts: argparse.Namespace, dims: di
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:  # METHOD ARTIFACT CASE OUT ONNX-or-empty: one cold start
-        child(*argv[1:5], argv[5] or None)
+    if argv[:1] == ["--child"]:  # METHOD ARTIFACT CASE OUT ONNX-or-empty OPEN-or-empty: one cold start
+        child(*argv[1:5], argv[5] or None, argv[6] or None)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+", metavar="ARTIFACT[=ONNX]", help="an artifact, and the same model as ONNX")
@@ -319,14 +330,17 @@ def main(argv: list[str] | None = None) -> None:
         "--dims", default="", help="dim sizes of the call, e.g. batch=4,seq=77 (each model takes its own)"
     )
     parser.add_argument("--no-server", action="store_true", help="skip the servers' cold starts")
+    parser.add_argument(
+        "--open",
+        choices=("eager", "background", "lazy"),
+        help="load(open=...) for the native and loader methods (default: the loaders' own, background)",
+    )
     parser.add_argument("-o", "--output", type=Path, help="write the figures as JSON here too")
     opts = parser.parse_args(argv)
     dims = {k: int(v) for k, v in (item.split("=", 1) for item in opts.dims.split(",") if item)}
     report = {"models": {}}
     for model in opts.models:
         artifact, _, onnx = model.partition("=")
-        from loader.artifact import read_manifest
-
         name = read_manifest(Path(artifact)).name
         report["models"][name] = measure(Path(artifact), onnx or None, opts, dims)
     text = json.dumps(report, indent=2)

@@ -92,11 +92,12 @@ def verify_files(
 ) -> dict[str, list[int]]:
     """Check that every listed file exists as a regular file with the listed size (and sha256).
 
-    ``known`` maps a file to the identity (size, mtime_ns, ctime_ns, inode) it had when it was last
-    hashed; a file that still has it is not hashed again (a write changes ctime, which no one can
-    set back). ``hashed_on_read`` names files the caller hashes as it reads them (``read_private``):
-    their sizes are checked here, their hashes there. Returns every file's identity now, for the
-    caller to remember.
+    ``known`` maps a file to the identity (size, mtime_ns, ctime_ns, inode, device) it had when it was
+    last hashed; a file that still has it is not hashed again (any write, chmod or rename moves its
+    ctime, which only the clock's owner can set back; inode and device tell a replaced file).
+    ``hashed_on_read`` names files the caller hashes as it reads them (``read_private``, a variant's
+    package as it is opened): their sizes are checked here, their hashes there. Returns every file's
+    identity now, for the caller to remember.
     """
     root = Path(root)
     identities = {}
@@ -112,7 +113,7 @@ def verify_files(
             raise ArtifactError(f"{root}: {rel} is not a regular file")
         if st.st_size != entry.size:
             raise ArtifactError(f"{root}: {rel} is {st.st_size} bytes, the manifest says {entry.size}")
-        identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        identity = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
         unchanged = (known is not None and known.get(rel) == identity) or rel in hashed_on_read
         if hashes and not unchanged:
             try:
@@ -123,3 +124,29 @@ def verify_files(
                 raise ArtifactError(f"{root}: {rel} does not match its sha256 in the manifest (changed or corrupt)")
         identities[rel] = identity
     return identities
+
+
+class HeldFile:
+    """A file of the artifact opened now and read later (a variant opened on demand): renaming or
+    deleting it, or its folder, in between changes nothing (deploying by ``mv new current`` and
+    removing the old folder is safe); rewriting it in place is caught by its hash when it is read.
+    ``path`` reads the very file held (``/proc/self/fd/N``, a fresh read position each time)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.name = str(path)  # for messages
+        try:
+            self._fd: int | None = os.open(
+                path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            )
+        except OSError as e:
+            raise ArtifactError(f"{path}: cannot read ({e.strerror})") from None
+        proc = f"/proc/self/fd/{self._fd}"
+        self.path = proc if os.path.exists(proc) else self.name  # elsewhere: the name, as before
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()

@@ -13,7 +13,7 @@ temporary folder, which nothing trusts and the next install of that digest remov
 the same pack at once take ``locks/<digest>.lock`` in turn: one unpacks, the others find the entry.
 The lock only saves work; a rename that finds the entry already there keeps the one there.
 
-Every load checks an entry's sizes, and hashes any file whose identity (size, mtime, ctime, inode)
+Every load checks an entry's sizes, and hashes any file whose identity (size, mtime, ctime, inode, device)
 differs from the ``.verified`` record, so repeat loads do not re-read large weights while a changed
 file (any write moves its ctime) is caught. An entry that fails is discarded and unpacked again from
 the pack.

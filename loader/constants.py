@@ -75,7 +75,7 @@ MAX_TAR_TRAILER = 20 * TAR_BLOCK
 # The local cache of unpacked packs: ${PRECOMPILE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/precompile}
 #   CACHEDIR.TAG                 marks the folder as a cache (backup tools skip it)
 #   artifacts/<digest>/          one immutable, read-only artifact folder per manifest digest
-#   artifacts/<digest>.verified  size, mtime, ctime and inode of each file when last hashed
+#   artifacts/<digest>.verified  size, mtime, ctime, inode and device of each file when last hashed
 #   locks/<digest>.lock          held while one process unpacks <digest>
 #   tmp/<digest>.<random>/       where unpacking happens (same file system, so the rename is atomic)
 CACHE_ENV = "PRECOMPILE_CACHE"

@@ -17,6 +17,7 @@ from typing import Any
 
 from .errors import GuardError
 from .manifest import Manifest, Variant
+from .opening import OnDemand
 from .outputs import unflatten
 from .policy import ArrayOps, Plan, Policies
 from .precision import Choice
@@ -60,6 +61,7 @@ class ServedModel:
         self._single_tensor = manifest.output.kind == "tensor"
         self._stats_lock = threading.Lock()
         self._warm = threading.local()  # .done: this thread ran warmup() (warm_thread)
+        self.opening: threading.Thread | None = None  # opens the variants not open yet (loader.opening)
         self.reset_stats()
 
     def _index_tables(self) -> None:
@@ -209,11 +211,31 @@ class ServedModel:
             self._shapes_dropped = 0
 
     def warmup(self) -> None:
-        """Run every variant once on its hint shape, so the first real request meets warm code.
-        Warm-up calls are not counted in ``stats()``."""
+        """Run every open variant once on its hint shape, so the first real request meets warm code
+        (a variant still to be opened, ``load(open=...)``, is warmed as it is opened). Warm-up calls are
+        not counted in ``stats()``."""
         for v in self._variants:
-            self.run_variant(v.id, *self.example_inputs(v))
+            if self.is_open(v.id):
+                self.warm_variant(v.id)
         self._warm.done = True
+
+    def warm_variant(self, variant_id: str) -> None:
+        """Run one variant once on its hint shape (opening it first if it is not open yet)."""
+        variant = next(v for v in self._variants if v.id == variant_id)
+        self.run_variant(variant_id, *self.example_inputs(variant))
+
+    def is_open(self, variant_id: str) -> bool:
+        """Whether the variant's compiled code is open (``load(open=...)`` may leave some for later)."""
+        runner = self._runners[variant_id]
+        return not isinstance(runner, OnDemand) or runner.opened
+
+    def wait_opened(self, timeout: float | None = None) -> bool:
+        """Wait for the background opener (``load(open="background")``), at most ``timeout`` seconds;
+        True once it has no variant left to open (a variant it could not open is refused when called)."""
+        if self.opening is not None:
+            self.opening.join(timeout)
+            return not self.opening.is_alive()
+        return True
 
     def warm_thread(self) -> None:
         """``warmup()`` in the calling thread, unless this thread has run it already.

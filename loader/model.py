@@ -16,16 +16,19 @@ from typing import Any
 import torch
 
 from .aoti import load_constants, open_package
+from .artifact import HeldFile, sha256_file
 from .cuda import CudaRunner, GraphedRunner, parse_device
 from .dispatch import ServedModel
 from .errors import ArtifactError, IncompatibleArtifactError, first_line
 from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts, native_cpu_problem
 from .isa import AUTO, IsaChoice, choose_isa
-from .manifest import Manifest
+from .manifest import Manifest, Variant
+from .opening import DEFAULT_OPEN, OnDemand, check_open_mode, open_variants, start_background
+from .pages import ConstantsRelease, mapped_libraries
 from .policy import ArrayOps
 from .precision import REQUESTS, Choice, choose
-from .source import open_artifact
+from .source import Opened, open_artifact
 from .threads import fit_threads
 from .weights import MappedWeights
 
@@ -120,6 +123,7 @@ def load(
     max_bytes: int | None = None,
     warmup: bool = True,
     cpu_isa: str = AUTO,
+    open: str = DEFAULT_OPEN,
 ) -> CompiledModel:
     """Load an artifact built by ``precompile build``, from its folder or a pack (``precompile pack``),
     and return a callable model.
@@ -155,6 +159,11 @@ def load(
       (``"auto"``), the variants of the best one this CPU runs (``native`` first, then ``x86-64-v4``,
       ``x86-64-v3``); naming one (``"x86-64-v3"``) serves that one, e.g. for the same numerics on every
       host of a mixed fleet. The model's ``cpu_isa`` says which (None: the artifact has no ISA levels).
+    - ``open`` (``loader.opening``), on CPU: ``"background"`` (default) opens the first variant before
+      returning (warmed, with ``warmup``) and opens and warms the others in a thread of lower priority;
+      ``"lazy"`` opens each other one at its first call; ``"eager"`` opens all first (always so on
+      CUDA). A call on a variant not open yet waits for it, never fails for it. A folder's variant
+      package is hashed just before it is opened, so a load hashes only what it opens.
 
     Raises ArtifactError for a missing, unreadable or corrupt artifact, IncompatibleArtifactError when
     it was built for another host, and UntrustedArtifactError when it fails the trust policy; all of
@@ -168,6 +177,7 @@ def load(
     """
     if precision not in REQUESTS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
+    check_open_mode(open)
     fit_threads(threads)
     opened = open_artifact(
         path,
@@ -179,6 +189,7 @@ def load(
         cache_dir=cache_dir,
         state_dir=state_dir,
         max_bytes=max_bytes,
+        defer_packages=True,
     )
     with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
         root, manifest, device = opened.root, opened.manifest, opened.device
@@ -188,7 +199,9 @@ def load(
         isa = _choose_isa(manifest, kind, cpu_isa, str(root))
         mine = [v for v in manifest.variants if v.device == kind and isa.serves(v)]
         choice = choose(mine, precision, host_cpu_features(), str(root))
-        runners, device_weights = _open_runners(root, manifest, weights, device, choice, isa)
+        if kind == "cuda":
+            open = "eager"  # device copies of the weights and CUDA graphs are made for all variants at once
+        runners, device_weights, pending = _open_runners(opened, weights, device, choice, isa, open)
         model = CompiledModel(
             root,
             manifest,
@@ -207,6 +220,8 @@ def load(
             except RuntimeError as e:
                 raise ArtifactError(f"{root}: the warm-up call failed: {first_line(e)}") from e
         opened.loaded()
+    if open == "background":
+        model.opening = start_background(pending, model.warm_variant, str(root))
     return model
 
 
@@ -219,57 +234,100 @@ def _choose_isa(manifest: Manifest, kind: str, requested: str, source: str) -> I
 
 
 def _open_runners(
-    root: Path,
-    manifest: Manifest,
+    opened: Opened,
     weights: MappedWeights,
     device: str,
     precision: Choice = Choice(("fp32",)),
     isa: IsaChoice = IsaChoice(),
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Open the variants for ``device`` and hand each its constants; return the runners and the
-    constants copied to the device (they must live as long as the runners).
+    mode: str = "eager",
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[OnDemand]]:
+    """The runners of the variants for ``device``, opened as ``mode`` says (``loader.opening``), the
+    constants copied to the device (they must live as long as the runners) and the runners still to
+    be opened.
 
     On CPU the runners use views of the memory map in place; on CUDA each stored tensor is copied to
     the GPU once and shared by every variant that needs it.
     """
+    root, manifest = opened.root, opened.manifest
     kind, index = parse_device(device)
     graphs = kind == "cuda" and manifest.cuda is not None and manifest.cuda.cuda_graphs
     on_device: dict[str, torch.Tensor] = {}
-    runners = {}
-    for v in manifest.variants:
-        if v.device != kind or not precision.serves(v) or not isa.serves(v):
-            continue
+    mine = {v.id: v for v in manifest.variants if v.device == kind and precision.serves(v) and isa.serves(v)}
+    if not mine:
+        have = sorted({v.device for v in manifest.variants})
+        raise IncompatibleArtifactError(f"{root}: no variants for {kind} (the artifact has {', '.join(have)} variants)")
+
+    held = {vid: HeldFile(root / v.file) for vid, v in mine.items()}  # until each is opened
+
+    def open_one(variant_id: str) -> Any:
+        v = mine[variant_id]
+        try:
+            _check_package(opened, v, held[variant_id].path)
+        except BaseException:
+            held[variant_id].close()
+            raise
         try:
             single = graphs and v.kind == "static"
-            runner = open_package(str(root / v.file), single_threaded=single, device_index=index)
+            before = mapped_libraries() if v.embedded_constants and kind == "cpu" else None
+            runner = open_package(held[variant_id].path, single_threaded=single, device_index=index)
+            if before is not None:  # the package loader copied the constants out of the library it opened
+                for library in mapped_libraries() - before:
+                    ConstantsRelease(Path(library)).release()
             expected = set(runner.get_constant_fqns())
         except RuntimeError as e:
             raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {first_line(e)}") from None
+        finally:
+            held[variant_id].close()  # AOTInductor copied the library out; a failed variant is refused for good
         if kind == "cuda":
             runner = CudaRunner(runner, index, single_threaded=single)
-        if v.embedded_constants:  # the package holds its own (hashed with it); nothing to hand over
-            runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
-            continue
-        if expected != set(v.constants):
-            raise ArtifactError(
-                f"{root}: variant {v.id!r}: the compiled code needs constants {sorted(expected - set(v.constants))[:5]} "
-                f"that the manifest does not list (files from different artifacts?)"
-            )
-        constants = {}
-        for name in v.constants:
-            stored = v.constant_prefix + name
-            if kind == "cuda" and stored not in on_device:
-                on_device[stored] = weights.tensors[stored].to(f"cuda:{index}")
-            constants[name] = on_device[stored] if kind == "cuda" else weights.tensors[stored]
-        try:  # in place where this torch's binding allows it (loader.aoti)
-            load_constants(runner.runner if kind == "cuda" else runner, constants)
-        except RuntimeError as e:
-            raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {first_line(e)}") from None
-        runners[v.id] = _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
-    if not runners:
-        have = sorted({v.device for v in manifest.variants})
-        raise IncompatibleArtifactError(f"{root}: no variants for {kind} (the artifact has {', '.join(have)} variants)")
-    return runners, on_device
+        if not v.embedded_constants:  # a frozen package holds its own (hashed with it); nothing to hand over
+            _hand_constants(root, v, runner, expected, weights, kind, index, on_device)
+        return _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
+
+    runners, pending = open_variants(list(mine), open_one, mode)
+    return runners, on_device, pending
+
+
+def _check_package(opened: Opened, v: Variant, path: str) -> None:
+    """Hash a folder's variant package (read from ``path``) just before it is opened
+    (``open_artifact`` left it). AOTInductor reads it again to open it: a package rewritten in
+    place in between is not caught here, as it was not when every package was hashed at load."""
+    sha256 = opened.package_sha256(v)
+    if sha256 is None:
+        return
+    try:
+        digest = sha256_file(path)
+    except OSError as e:
+        raise ArtifactError(f"{opened.root}: {v.file}: cannot read ({e.strerror})") from None
+    if digest != sha256:
+        raise ArtifactError(f"{opened.root}: {v.file} does not match its sha256 in the manifest (changed or corrupt)")
+
+
+def _hand_constants(
+    root: Path,
+    v: Variant,
+    runner: Any,
+    expected: set[str],
+    weights: MappedWeights,
+    kind: str,
+    index: int | None,
+    on_device: dict[str, torch.Tensor],
+) -> None:
+    if expected != set(v.constants):
+        raise ArtifactError(
+            f"{root}: variant {v.id!r}: the compiled code needs constants {sorted(expected - set(v.constants))[:5]} "
+            f"that the manifest does not list (files from different artifacts?)"
+        )
+    constants = {}
+    for name in v.constants:
+        stored = v.constant_prefix + name
+        if kind == "cuda" and stored not in on_device:
+            on_device[stored] = weights.tensors[stored].to(f"cuda:{index}")
+        constants[name] = on_device[stored] if kind == "cuda" else weights.tensors[stored]
+    try:  # in place where this torch's binding allows it (loader.aoti)
+        load_constants(runner.runner if kind == "cuda" else runner, constants)
+    except RuntimeError as e:
+        raise ArtifactError(f"{root}: variant {v.id!r}: the runner refused the weights: {first_line(e)}") from None
 
 
 class _Cast:

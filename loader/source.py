@@ -3,16 +3,18 @@ folder or a pack) into a verified artifact folder, applying the caller's trust p
 
 Order, cheapest refusal first, nothing unpacked or hashed for an artifact that will be refused:
 manifest (parsed strictly) → signature → expiry, minimum version, rollback → host compatibility →
-files (a folder: sizes and sha256; a pack: unpacked into the cache once, then sizes and remembered
-hashes).
+files (a folder: sizes and sha256, but for its variant packages with ``defer_packages``, which the
+loaders hash as they open each one, ``Opened.package_sha256``; a pack: unpacked into the cache once,
+then sizes and remembered hashes).
 
 What the model will serve is fixed here too (``loader.weights``): a folder's weights are read into
 private memory and hashed as they are read, so an operator who overwrites, truncates or rsyncs the
 folder while it is served changes nothing the running model reads; a cache entry's weights are
 mapped, since only this user can write there and the entry is read-only. (The compiled code is safe
-either way: AOTInductor copies each package's library into a private temporary folder when it opens
-it.) With ``refuse_rollback`` the returned ``Opened`` holds the version ledger's lock until
-``loaded()`` or ``close()``: use it as a context manager.
+either way: each package's library is copied into a private temporary folder when its variant is
+opened, from a package the loaders hold open from the load on, ``loader.artifact.HeldFile``.)
+With ``refuse_rollback`` the returned ``Opened`` holds the version ledger's lock until ``loaded()``
+or ``close()``: use it as a context manager.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .artifact import manifest_digest, read_manifest_with_bytes, read_signature,
 from .cache import Cache
 from .errors import LoaderError
 from .host import HostFacts, check_compatible
-from .manifest import Manifest
+from .manifest import Manifest, Variant
 from .pack import PackHead, read_head
 from .trust import KeySource, LedgerHold, VersionLedger, check_expiry, check_min_version, check_signature, public_keys
 from .weights import MappedWeights, map_file, read_private
@@ -46,6 +48,12 @@ class Opened:
     signed_by: str | None = None  # key id, when trusted_keys were checked
     _weights: mmap.mmap | None = field(default=None, repr=False)  # a folder's weights, read and hashed
     _hold: LedgerHold | None = field(default=None, repr=False)
+    _unhashed: frozenset[str] = frozenset()  # variants' packages left for the opener to hash (defer_packages)
+
+    def package_sha256(self, variant: Variant) -> str | None:
+        """The sha256 a variant's package must be checked against as it is read to be opened, or None
+        when it was checked already (a verified cache entry) or is not to be (``verify=False``)."""
+        return self.manifest.files[variant.file].sha256 if variant.file in self._unhashed else None
 
     def weights(self) -> MappedWeights:
         """The weights to serve: the private copy read while verifying a folder, or a map of the
@@ -83,18 +91,22 @@ def open_artifact(
     state_dir: str | os.PathLike | None = None,
     max_bytes: int | None = None,
     host: HostFacts | None = None,
+    defer_packages: bool = False,
 ) -> Opened:
     """See ``loader.load``; returns the folder to open and what was checked. A URL goes through
     ``loader.remote``, which judges the pack's head as soon as it arrives (``admit``: the same checks
     as below, but the rollback ledger's) and comes back here with the downloaded pack or its cache
     entry's head. ``host``: the facts the compatibility check compares with (default:
-    ``host.host_facts()``; the torch-free loader gathers its own)."""
+    ``host.host_facts()``; the torch-free loader gathers its own). ``defer_packages``: a folder's
+    variant packages are only size-checked here, each to be hashed when (and if) it is opened
+    (``Opened.package_sha256``), so a load hashes only what it runs, when it runs it."""
     if trusted_keys is not None and not verify:
         raise LoaderError("verify=False skips the sha256 checks a signature relies on; drop it or trusted_keys")
     keys = public_keys(trusted_keys) if trusted_keys is not None else None
     if remote.is_url(path):
         options = dict(device=device, verify=verify, trusted_keys=trusted_keys, min_version=min_version)
         options.update(refuse_rollback=refuse_rollback, cache_dir=cache_dir, state_dir=state_dir, host=host)
+        options.update(defer_packages=defer_packages)
 
         def admit(head: PackHead) -> None:
             _admit(head.manifest, head.manifest_bytes, head.signature, keys, min_version, str(head.path))
@@ -123,11 +135,13 @@ def open_artifact(
     hold = VersionLedger(state_dir).hold(manifest, digest, source) if refuse_rollback else None
     try:
         check_compatible(manifest, device, host)
-        weights = None
+        weights, unhashed = None, frozenset()
         if head is not None:
             root, unpacked = Cache(cache_dir).open(head, verify=verify)
         else:
-            verify_files(path, manifest, hashes=verify, hashed_on_read={C.WEIGHTS_FILE})
+            if defer_packages and verify:
+                unhashed = frozenset(v.file for v in manifest.variants)
+            verify_files(path, manifest, hashes=verify, hashed_on_read={C.WEIGHTS_FILE, *unhashed})
             entry = manifest.files[C.WEIGHTS_FILE]
             weights = read_private(str(path / C.WEIGHTS_FILE), size=entry.size, sha256=entry.sha256 if verify else None)
             root, unpacked = path, False
@@ -135,7 +149,7 @@ def open_artifact(
         if hold is not None:
             hold.release()
         raise
-    return Opened(root, manifest, device, digest, head is not None, unpacked, signed_by, weights, hold)
+    return Opened(root, manifest, device, digest, head is not None, unpacked, signed_by, weights, hold, unhashed)
 
 
 def _admit(

@@ -79,6 +79,25 @@ def test_a_changed_file_in_an_entry_is_hashed_caught_and_unpacked_again(classifi
     assert weights.read_bytes() == good
 
 
+def test_a_file_rewritten_with_its_size_and_mtime_put_back_is_still_caught(classifier_pack, tmp_path):
+    """The record is checked by lstat alone; what a writer cannot put back is the ctime."""
+    root = tmp_path / "cache"
+    entry = open_artifact(classifier_pack, cache_dir=root).root
+    weights = entry / "weights.safetensors"
+    good, before = weights.read_bytes(), os.lstat(weights)
+    os.chmod(weights, 0o644)
+    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # same size
+    os.chmod(weights, 0o444)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # same mtime and mode
+    after = os.lstat(weights)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    opened = open_artifact(classifier_pack, cache_dir=root)
+    assert opened.unpacked  # hashed, refused, unpacked again
+    assert weights.read_bytes() == good
+    model = loader.load_native(classifier_pack, cache_dir=root)
+    assert model.path == entry
+
+
 def test_a_touched_file_is_hashed_once_then_trusted_again(classifier_pack, tmp_path, monkeypatch):
     root = tmp_path / "cache"
     entry = open_artifact(classifier_pack, cache_dir=root).root

@@ -195,7 +195,8 @@ def test_loader_imports_nothing_heavy_and_never_compiles(classifier_artifact):
 
 
 def test_load_warms_every_variant_unless_told_not_to(tagger_build, monkeypatch):
-    """warmup() runs (for real) inside load() by default, once, in the calling thread."""
+    """warmup() runs (for real) inside load() by default, once, in the calling thread (with every
+    variant opened first, open="eager"; the other modes warm the rest as they open them)."""
     import threading
 
     real = loader.CompiledModel.warmup
@@ -213,7 +214,7 @@ def test_load_warms_every_variant_unless_told_not_to(tagger_build, monkeypatch):
         runs.append(tuple(variants_run))
 
     monkeypatch.setattr(loader.CompiledModel, "warmup", watched)
-    model = loader.load(tagger_build.path)
+    model = loader.load(tagger_build.path, open="eager")
     assert runs == [threading.get_ident(), tuple(v.id for v in model.variants)]
     assert model.stats()["calls"] == 0  # warm-up calls are not traffic
     loader.load(tagger_build.path, warmup=False)

@@ -8,6 +8,10 @@
   "cpu", list its inputs, outputs and constants, hand it the weights in place
   (``...UpdateUserManagedConstantBufferPairs``: the tensors keep pointing into our memory map), run it.
 
+A frozen variant's constants are copied out of its library when its container is created; the
+library's pages they came from are given back as it happens (``ConstantsRelease``), so the variant
+costs its constants once.
+
 Both are what torch's own runner (``AOTIModelContainerRunner``) calls; the C++ package loader adds
 only unzipping and the proxy executor, which this path refuses to need (``loader.native.package``).
 Every call returns an error code; a failure raises ``CallFailed`` with the runtime's last message.
@@ -15,6 +19,7 @@ Every call returns an error code; a failure raises ``CallFailed`` with the runti
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import weakref
@@ -25,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..constants import DTYPES
+from ..pages import ConstantsRelease
 
 # numpy has no bfloat16: an artifact whose inputs or outputs are bfloat16 needs the torch loader.
 NUMPY_DTYPES = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
@@ -180,7 +186,7 @@ class Container:
     numpy copies of the outputs. Calls are serialised by the container itself (one instance).
     """
 
-    def __init__(self, shim: Shim, library: Path):
+    def __init__(self, shim: Shim, library: Path, *, own_constants: bool = False):
         self.shim = shim
         try:
             self.lib = ctypes.CDLL(str(library))  # RTLD_LOCAL: each variant's library keeps its own symbols
@@ -191,13 +197,15 @@ class Container:
         self._run = f["AOTInductorModelContainerRun"]
         self._f = f
         handle = c_void_p()
-        self._call("AOTInductorModelContainerCreateWithDevice", byref(handle), 1, b"cpu", None)
+        # A frozen variant (``own_constants``) copies its constants out of the library as it is created.
+        with ConstantsRelease(library) if own_constants else contextlib.nullcontext():
+            self._call("AOTInductorModelContainerCreateWithDevice", byref(handle), 1, b"cpu", None)
         self.handle = handle.value
+        self._lock = threading.Lock()  # guards close() (and the deletion at exit) against a run in flight
         # Deleted with this object (or by close()); the library itself stays mapped: ctypes never unloads one.
-        self._finalizer = weakref.finalize(self, f["AOTInductorModelContainerDelete"], self.handle)
+        self._finalizer = weakref.finalize(self, _delete, self._lock, f["AOTInductorModelContainerDelete"], self.handle)
         self.num_inputs = self._size("AOTInductorModelContainerGetNumInputs")
         self.num_outputs = self._size("AOTInductorModelContainerGetNumOutputs")
-        self._lock = threading.Lock()  # guards close() against a run in flight
 
     def constant_names(self) -> dict[str, str]:
         """Original FQN (what the manifest lists) -> the container's own name, for every constant it
@@ -251,8 +259,8 @@ class Container:
         """Delete the container now (later runs raise CallFailed)."""
         with self._lock:
             if self.handle is not None:
-                self._finalizer()
                 self.handle = None
+        self._finalizer()
 
     def _size(self, name: str) -> int:
         out = c_size_t()
@@ -270,6 +278,11 @@ class Container:
                 if self._last_error(byref(text)) == 0 and text.value:
                     message = ": " + text.value.decode(errors="replace").strip()
             raise CallFailed(f"compiled code: {what} failed{message}")
+
+
+def _delete(lock: threading.Lock, delete, handle: int) -> None:
+    with lock:  # never while a run is in flight
+        delete(handle)
 
 
 def _check(code: int, what: str) -> None:

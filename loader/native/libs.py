@@ -17,6 +17,7 @@ import platform
 import re
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,13 +154,60 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
             try:
                 deps = torch.lib / GLOBAL_DEPS
                 if deps.is_file():
-                    ctypes.CDLL(str(deps), mode=ctypes.RTLD_GLOBAL)
-                loaded = [ctypes.CDLL(str(torch.lib / name)) for name in LIBRARIES]
+                    open_lazily(deps, ctypes.RTLD_GLOBAL)
+                loaded = [open_lazily(torch.lib / name) for name in LIBRARIES]
             except OSError as e:
                 raise LoaderError(f"{torch.lib}: cannot open torch's libraries ({e})") from None
             _runtime = Shim(loaded[-1])
     warn_once(threading_problems(allowance, threads=count, wait_policy=os.environ.get(WAIT_POLICY_ENV)))
     return _runtime
+
+
+def start_runtime_soon(torch: TorchLibraries, threads: int | None = None) -> Callable[[], Shim]:
+    """``start_runtime`` in another thread, so that opening torch's libraries (mostly the dynamic
+    linker's relocations, CPU-bound, the GIL released) overlaps the load's reading and hashing of
+    the artifact; the function returned waits for it and returns the shim (or raises its error)."""
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append(start_runtime(torch, threads))
+        except BaseException as e:  # noqa: BLE001 -- raised again to the caller that waits
+            done.append(e)
+
+    thread = threading.Thread(target=run, name="open-torch-libraries", daemon=True)
+    thread.start()
+
+    def wait() -> Shim:
+        thread.join()
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0]
+
+    return wait
+
+
+RTLD_LAZY = getattr(os, "RTLD_LAZY", 1)
+
+
+def open_lazily(path: Path, mode: int = 0) -> ctypes.CDLL:
+    """``ctypes.CDLL(path)``, but with lazy binding: ctypes always asks for RTLD_NOW, which binds
+    every one of libtorch_cpu's function symbols up front (79,340 relocations of the three libraries
+    against 34,911 lazily, counted with ``LD_DEBUG=statistics``); the rest are bound at their first
+    call. Only for torch's own libraries, whose symbols are all there: a variant's library is opened
+    with RTLD_NOW, so that one built against another torch fails to open instead of at a call."""
+    handle = _dlopen(str(path).encode(), RTLD_LAZY | mode)
+    if not handle:
+        error = _dlerror()
+        raise OSError(error.decode(errors="replace") if error else f"{path}: cannot open")
+    return ctypes.CDLL(str(path), mode=mode, handle=handle)
+
+
+_libdl = ctypes.CDLL(None)
+_dlopen = _libdl.dlopen
+_dlopen.argtypes, _dlopen.restype = [ctypes.c_char_p, ctypes.c_int], ctypes.c_void_p
+_dlerror = _libdl.dlerror
+_dlerror.argtypes, _dlerror.restype = [], ctypes.c_char_p
 
 
 def openmp_library(maps: str | os.PathLike = "/proc/self/maps") -> str | None:

@@ -13,25 +13,27 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..artifact import HeldFile
 from ..dispatch import ServedModel
 from ..errors import ArtifactError, IncompatibleArtifactError
 from ..host import native_cpu_problem
 from ..isa import AUTO, IsaChoice, choose_isa
 from ..manifest import Manifest, Variant
+from ..opening import DEFAULT_OPEN, OnDemand, check_open_mode, open_variants, start_background
 from ..precision import REQUESTS, Choice, choose
-from ..source import open_artifact
+from ..source import Opened, open_artifact
 from ..weights import MappedWeights
 from .capi import NUMPY_DTYPES, CallFailed, Container, Shim
-from .libs import find_torch, host_facts, start_runtime
+from .libs import find_torch, host_facts, start_runtime_soon
 from .npguards import NUMPY_OPS, ArrayGuard
-from .package import library_bytes, read_package
+from .package import PackageLibrary, extract_library, read_package
 
 USE_TORCH = "load it with loader.load(), which runs it through torch"
 
@@ -67,7 +69,10 @@ class NativeModel(ServedModel):
         """Free every variant's compiled model now (calls after this raise); the weights' memory is
         released with the last reference to this object."""
         for runner in self._runners.values():
-            runner.container.close()
+            if isinstance(runner, OnDemand):
+                runner.close(lambda r: r.container.close())
+            else:
+                runner.container.close()
 
     def __repr__(self) -> str:
         return f"<NativeModel {self.name!r} from {str(self.path)!r}: {len(self._runners)} variant(s) on cpu, without torch>"
@@ -101,6 +106,7 @@ def load_native(
     max_bytes: int | None = None,
     warmup: bool = True,
     cpu_isa: str = AUTO,
+    open: str = DEFAULT_OPEN,
 ) -> NativeModel:
     """Load an artifact's CPU variants without importing torch; call the result with numpy arrays.
 
@@ -114,12 +120,21 @@ def load_native(
     use ``loader.load``, for what this path cannot run: variants that need torch's proxy executor (ops
     without a C shim), CUDA-only artifacts, bfloat16 inputs (numpy has no bfloat16).
 
+    ``open`` (``loader.opening``): ``"background"`` (default) opens and warms the first variant before
+    returning and the others in a thread of lower priority; ``"lazy"`` opens each other one at its
+    first call; ``"eager"`` opens every variant first. A call never fails for a variant not open yet:
+    it waits for it. A folder's variant package is hashed as it is read to be opened (its library is
+    copied out in the same pass), so what runs is what was hashed.
+
     >>> model = load_native("artifacts/text-classifier")
     >>> logits = model(ids, mask)        # numpy int64 and bool arrays in, a numpy float32 array out
     """
     if precision not in REQUESTS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
+    check_open_mode(open)
     torch = find_torch()
+    # Opening torch's libraries overlaps the checks below; it opens nothing of the artifact.
+    shim = start_runtime_soon(torch, threads)
     try:
         opened = open_artifact(
             path,
@@ -132,6 +147,7 @@ def load_native(
             state_dir=state_dir,
             max_bytes=max_bytes,
             host=host_facts(torch),
+            defer_packages=True,
         )
     except IncompatibleArtifactError as e:
         raise IncompatibleArtifactError(
@@ -144,13 +160,16 @@ def load_native(
         weights.check(manifest.constants)
         host = host_facts(torch)
         isa = choose_isa(manifest.variants, cpu_isa, host.cpu_features, native_cpu_problem(manifest, host), str(root))
-        choice, served = _choose(root, manifest, precision, host.cpu_features, isa)
-        shim = start_runtime(torch, threads)
-        runners = _open_runners(shim, root, manifest, served, weights)
+        choice, served, packages = _choose(root, manifest, precision, host.cpu_features, isa)
+        runners, pending = open_variants(
+            [v.id for v in served], _opener(shim, opened, {v.id: v for v in served}, packages, weights), open
+        )
         model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice, isa=isa)
         if warmup:
             model.warmup()
         opened.loaded()
+    if open == "background":
+        model.opening = start_background(pending, model.warm_variant, str(root))
     return model
 
 
@@ -175,13 +194,16 @@ def manifest_problem(manifest: Manifest) -> str | None:
 
 def _choose(
     root: Path, manifest: Manifest, precision: str, features: frozenset[str], isa: IsaChoice = IsaChoice()
-) -> tuple[Choice, list[Variant]]:
+) -> tuple[Choice, list[Variant], dict[str, tuple[PackageLibrary, HeldFile]]]:
     """The precisions and CPU variants (of the chosen ISA) to serve, as ``loader.load`` chooses them,
     except that a lower precision whose variants need torch is skipped under ``precision="auto"``
-    (fp32 serves instead)."""
+    (fp32 serves instead); and each one's package, as listed, and held open (``HeldFile``) until
+    the variant is opened."""
     cpu = [v for v in manifest.variants if v.device == "cpu" and isa.serves(v)]
+    held = {v.id: HeldFile(root / v.file) for v in cpu}
+    packages = {v.id: read_package(root / v.file, source=held[v.id].path) for v in cpu}
     # What the build recorded or, for an artifact built before it did, what the package shows.
-    why = {v.id: v.needs_torch or read_package(root / v.file).problem() for v in cpu}
+    why = {v.id: v.needs_torch or packages[v.id].problem() for v in cpu}
     blocked = (
         {v.precision: why[v.id] for v in cpu if why[v.id] and v.precision != "fp32"} if precision == "auto" else {}
     )
@@ -192,7 +214,11 @@ def _choose(
     for v in served:
         if why[v.id]:
             raise _needs_torch(root, v, why[v.id])
-    return choice, served
+        if v.dtype is not None and v.dtype not in NUMPY_DTYPES:
+            raise _needs_torch(root, v, f"it computes in {v.dtype}, which numpy cannot cast to")
+    if not served:
+        raise IncompatibleArtifactError(f"{root}: no CPU variants to serve; {USE_TORCH}")
+    return choice, served, {v.id: (packages[v.id], held[v.id]) for v in served}
 
 
 def _refuse_inputs(manifest: Manifest, source: str) -> None:
@@ -208,30 +234,38 @@ def _needs_torch(root: Path, v: Variant, why: str) -> IncompatibleArtifactError:
     return IncompatibleArtifactError(f"{root}: variant {v.id!r} cannot run without torch: {why}; {USE_TORCH}{other}")
 
 
-def _open_runners(
-    shim: Shim, root: Path, manifest: Manifest, variants: list[Variant], weights: MappedWeights
-) -> dict[str, _Runner]:
-    """Open each variant's library and hand it its constants as views of ``weights``' buffer."""
-    runners: dict[str, _Runner] = {}
-    folder = Path(tempfile.mkdtemp(prefix="precompile-native-"))  # mode 0700: private to this user
-    try:
-        for v in variants:
-            package = read_package(root / v.file)
-            data = library_bytes(package) if package.library is not None else None
-            problem = package.problem(library_bytes=data)
+def _opener(
+    shim: Callable[[], Shim],
+    opened: Opened,
+    variants: dict[str, Variant],
+    packages: dict[str, tuple[PackageLibrary, HeldFile]],
+    weights: MappedWeights,
+) -> Callable[[str], _Runner]:
+    """What opens one variant by id (``loader.opening`` decides when): its library copied out of its
+    package (hashed in the same pass, for a folder), opened, checked against the manifest and, unless
+    its constants are inside it, handed them as views of ``weights``' buffer. ``shim()`` waits for
+    torch's libraries, once the library is out."""
+    root, manifest = opened.root, opened.manifest
+
+    def open_one(variant_id: str) -> _Runner:
+        v, (package, held) = variants[variant_id], packages[variant_id]
+        folder = Path(tempfile.mkdtemp(prefix="precompile-native-"))  # mode 0700: private to this user
+        try:
+            library = folder / f"{v.id}.so"
+            with library.open("wb") as out:
+                entry, sha256 = manifest.files[v.file], opened.package_sha256(v)
+                proxy = extract_library(package, out, size=entry.size, sha256=sha256, source=held.path)
+            held.close()  # read once: a variant that failed to open is refused for good (loader.opening)
+            problem = package.problem(proxy_calls=proxy)
             if problem is not None:
                 raise _needs_torch(root, v, problem)
-            if v.dtype is not None and v.dtype not in NUMPY_DTYPES:
-                raise _needs_torch(root, v, f"it computes in {v.dtype}, which numpy cannot cast to")
-            library = folder / f"{v.id}.so"
-            library.write_bytes(data)
             try:
-                container = Container(shim, library)
+                container = Container(shim(), library, own_constants=bool(v.embedded_constants))
             except CallFailed as e:
                 raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {e}") from None
-            finally:
-                library.unlink()  # the opened library stays mapped; nothing is left on disk
-            runners[v.id] = _Runner(container, NUMPY_DTYPES[v.dtype] if v.dtype is not None else None)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # the opened library stays mapped; nothing is left on disk
+        try:
             if (container.num_inputs, container.num_outputs) != (len(manifest.inputs), manifest.output.count()):
                 raise ArtifactError(
                     f"{root}: variant {v.id!r}: the compiled code takes {container.num_inputs} inputs and gives "
@@ -239,16 +273,13 @@ def _open_runners(
                     f"{manifest.output.count()} (files from different artifacts?)"
                 )
             if not v.embedded_constants:  # a frozen package holds its own (hashed with it)
-                _hand_constants(shim, container, root, v, weights)
-    except BaseException:
-        for runner in runners.values():
-            runner.container.close()
-        raise
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    if not runners:
-        raise IncompatibleArtifactError(f"{root}: no CPU variants to serve; {USE_TORCH}")
-    return runners
+                _hand_constants(container.shim, container, root, v, weights)
+        except BaseException:
+            container.close()
+            raise
+        return _Runner(container, NUMPY_DTYPES[v.dtype] if v.dtype is not None else None)
+
+    return open_one
 
 
 def _hand_constants(shim: Shim, container: Container, root: Path, v: Variant, weights: MappedWeights) -> None:

@@ -1,0 +1,161 @@
+"""When a loaded artifact's variants are opened: all before ``load()`` returns, or the first one then
+and the others on demand (``load(..., open=...)``, both loaders).
+
+Opening a variant is most of a load's cost (its package read and, for a folder, hashed as it is read;
+its library mapped; a frozen variant's constants copied out of it; a warm-up call), and a call needs
+only one variant. So:
+
+- ``"eager"``: every variant is opened (and warmed, with ``warmup``) before ``load()`` returns.
+- ``"background"`` (the default): the first variant (the manifest's first served, whose hint is the
+  likeliest first call) is opened and warmed before ``load()`` returns; a thread of lower CPU
+  priority then opens and warms the others, one after the other.
+- ``"lazy"``: the first variant as above; each other one is opened by the first call that needs it.
+
+Either way a call that lands on a variant not open yet waits for it (opening it itself, or waiting
+for the thread that is): it never fails for it, and it runs only once the variant's files passed
+their checks. A variant that cannot be opened (a file changed since the load: its hash fails) is
+refused on every call with the same ArtifactError; the others serve on. ``stats()`` lists every
+variant from the start, opened or not.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ArtifactError, first_line
+
+OPEN_MODES = ("eager", "background", "lazy")
+DEFAULT_OPEN = "background"
+# How much nicer (lower priority) the background opener runs than the process, so the first calls
+# get the CPUs before it.
+BACKGROUND_NICENESS = 10
+
+log = logging.getLogger("loader")
+
+
+def check_open_mode(mode: str) -> None:
+    if mode not in OPEN_MODES:
+        raise ValueError(f"open={mode!r}: expected one of {', '.join(OPEN_MODES)}")
+
+
+class OnDemand:
+    """One variant's runner, opened by ``open()`` the first time it is needed; a runner itself
+    (``run(list) -> list``), so dispatch needs nothing else. Thread-safe: one opens, others wait."""
+
+    def __init__(self, variant_id: str, open: Callable[[], Any]):
+        self.variant_id = variant_id
+        self._open = open
+        self._runner: Any = None
+        self._failed: str | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def opened(self) -> bool:
+        return self._runner is not None
+
+    def get(self) -> Any:
+        """The opened runner (opening it now if no one has)."""
+        runner = self._runner
+        if runner is not None:
+            return runner
+        with self._lock:
+            if self._runner is None:
+                if self._closed:
+                    raise ArtifactError(f"variant {self.variant_id!r}: the model was closed")
+                if self._failed is not None:
+                    raise ArtifactError(self._failed)
+                try:
+                    self._runner = self._open()
+                except Exception as e:
+                    # Refused for good: files that failed their check are not read again.
+                    self._failed = str(e) if isinstance(e, ArtifactError) else f"{type(e).__name__}: {first_line(e)}"
+                    raise
+            return self._runner
+
+    def run(self, tensors: list) -> list:
+        return self.get().run(tensors)
+
+    def close(self, close_runner: Callable[[Any], None]) -> None:
+        """Close the runner if it was opened, and refuse to open it from now on."""
+        with self._lock:
+            self._closed = True
+            if self._runner is not None:
+                close_runner(self._runner)
+
+
+def open_variants(ids: list[str], open_one: Callable[[str], Any], mode: str) -> tuple[dict[str, Any], list[OnDemand]]:
+    """The runners of ``ids`` (in the manifest's order): all opened (``"eager"``), or the first one
+    opened and the others ``OnDemand`` (returned too, for ``start_background``)."""
+    check_open_mode(mode)
+    runners: dict[str, Any] = {}
+    pending: list[OnDemand] = []
+    for i, vid in enumerate(ids):
+        if mode == "eager" or i == 0:
+            runners[vid] = open_one(vid)
+        else:
+            runners[vid] = OnDemand(vid, lambda vid=vid: open_one(vid))
+            pending.append(runners[vid])
+    return runners, pending
+
+
+def start_background(pending: list[OnDemand], warm: Callable[[str], None], name: str) -> threading.Thread | None:
+    """Open and warm each of ``pending`` in a daemon thread of lower CPU priority; a variant that
+    fails is logged, and refused when called. At interpreter exit the thread is stopped between two
+    steps and waited for, so no compiled code runs while the process tears down its libraries."""
+    if not pending:
+        return None
+    stop = threading.Event()
+
+    def work() -> None:
+        _lower_priority()
+        for runner in pending:
+            if stop.is_set():
+                return
+            try:
+                runner.get()
+                if not stop.is_set():
+                    warm(runner.variant_id)
+            except Exception as e:  # noqa: BLE001 -- kept by the runner, raised to the calls that need it
+                log.warning("%s: variant %r could not be opened: %s", name, runner.variant_id, first_line(e))
+
+    thread = threading.Thread(target=work, name=f"open-variants:{name}", daemon=True)
+    with _openers_lock:
+        global _exit_registered
+        if not _exit_registered:
+            # Registered after the first variant's container (weakref.finalize registers its own exit
+            # hook then): atexit runs hooks last-registered first, so this one runs before those.
+            atexit.register(_stop_openers)
+            _exit_registered = True
+        _openers.append((stop, thread))
+    thread.start()
+    return thread
+
+
+_openers: list[tuple[threading.Event, threading.Thread]] = []
+_openers_lock = threading.Lock()
+_exit_registered = False
+
+
+def _stop_openers() -> None:
+    with _openers_lock:
+        openers = list(_openers)
+    for stop, _ in openers:
+        stop.set()
+    for _, thread in openers:
+        thread.join()
+
+
+def _lower_priority() -> None:
+    """Make the calling thread (and the OpenMP threads it starts) yield to the process's others.
+    Linux gives each thread its own nice value; elsewhere this does nothing."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICENESS)
+    except (AttributeError, OSError):
+        pass
