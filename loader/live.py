@@ -319,6 +319,7 @@ class Live:
                         model.warmup()
                     except Exception as e:
                         raise SwapError(f"{resolved}: warm-up failed: {type(e).__name__}: {e}") from e
+                self._open_every_variant(model, resolved)
                 if self.check is not None:
                     try:
                         self.check(model)
@@ -342,6 +343,22 @@ class Live:
                     self._draining.remove(old)
             self._attempted(SwapAttempt(str(requested), str(resolved), True, None, new.version))
             return new
+
+    @staticmethod
+    def _open_every_variant(model: ServedModel, resolved: Path | str) -> None:
+        """Wait for ``load()``'s background opener (``loader.opening``): a version takes traffic only
+        once every variant is open and warm, so no call after a swap waits for one to open; a variant
+        that cannot be opened refuses the version, as it did when every variant opened in ``load()``."""
+        wait = getattr(model, "wait_opened", None)
+        if wait is None:
+            return
+        wait()
+        for v in model.variants:
+            if not model.is_open(v.id):  # the opener stopped at it: its error, raised here
+                try:
+                    model.warm_variant(v.id)
+                except Exception as e:
+                    raise SwapError(f"{resolved}: variant {v.id!r} cannot be opened: {_message(e)}") from e
 
     def swap_in_background(self, path: str | os.PathLike | None = None, **options: Any) -> Future:
         """``swap`` on a new daemon thread; the Future holds the new Serving or the error."""

@@ -270,3 +270,30 @@ def test_stats_count_each_call_once(classifier_versions):
         "precision": "fp32",
     }
     assert Live().stats()["calls"] == 0
+
+
+def test_a_version_takes_traffic_only_with_every_variant_open(tagger_build):
+    """load() opens the first variant and the others in the background (loader.opening); Live waits
+    for them: after a swap no call waits for a variant to open."""
+    live = Live(tagger_build.path)
+    model = live.model
+    assert len(model.variants) == 4
+    assert all(model.is_open(v.id) for v in model.variants)
+
+
+def test_a_variant_that_cannot_open_refuses_the_version(tagger_build, tmp_path):
+    """A package that fails its hash when the background opener reaches it: the swap is refused and
+    the old version serves on, as when every package was hashed in load()."""
+    live = Live(tagger_build.path)
+    broken = tmp_path / "broken"
+    shutil.copytree(tagger_build.path, broken)
+    last = live.model.variants[-1]
+    package = broken / last.file
+    data = bytearray(package.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    package.write_bytes(bytes(data))
+    with pytest.raises(SwapError, match=f"variant '{last.id}' cannot be opened: .*does not match its sha256"):
+        live.swap(broken)
+    assert live.serving.path == tagger_build.path
+    ids, mask = torch.randint(0, 50, (1, 16)), torch.ones(1, 16, dtype=torch.bool)
+    assert torch.equal(live(ids, mask)[0], loader.load(tagger_build.path)(ids, mask)[0])
