@@ -128,14 +128,15 @@ def constants_call(forms: tuple[Signature, ...]) -> ConstantsCall:
     )
 
 
-def open_package(path: str, *, single_threaded: bool = False, device_index: int | None = None) -> Any:
+def open_package(path: str, *, single_threaded: bool = False, device_index: int | None = None, runners: int = 1) -> Any:
     """Open one AOTInductor package without importing torch._inductor.
 
     Arguments to the binding: package path, model name inside the package, run single-threaded (needed
-    for CUDA graph capture), number of runners, device index (-1: the default one).
+    for CUDA graph capture), number of runners (model instances that run calls at once; they share
+    the constants), device index (-1: the default one).
     """
     index = -1 if device_index is None else device_index
-    return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, 1, index)
+    return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, max(1, runners), index)
 
 
 def load_constants(runner: Any, constants: dict[str, torch.Tensor]) -> bool:

@@ -29,7 +29,7 @@ from .pages import ConstantsRelease, mapped_libraries
 from .policy import ArrayOps
 from .precision import REQUESTS, Choice, choose
 from .source import Opened, open_artifact
-from .threads import fit_threads
+from .threads import concurrent_runners, fit_threads
 from .weights import MappedWeights
 
 
@@ -269,7 +269,12 @@ def _open_runners(
         try:
             single = graphs and v.kind == "static"
             before = mapped_libraries() if v.embedded_constants and kind == "cpu" else None
-            runner = open_package(held[variant_id].path, single_threaded=single, device_index=index)
+            runner = open_package(
+                held[variant_id].path,
+                single_threaded=single,
+                device_index=index,
+                runners=concurrent_runners() if kind == "cpu" else 1,  # CUDA: one, as its graphs are captured
+            )
             if before is not None:  # the package loader copied the constants out of the library it opened
                 for library in mapped_libraries() - before:
                     ConstantsRelease(Path(library)).release()

@@ -179,6 +179,17 @@ def warn_once(problems: list[str]) -> None:
         warnings.warn("precompile: " + "; ".join(problems), ThreadingWarning, stacklevel=4)
 
 
+MAX_RUNNERS = 8
+
+
+def concurrent_runners(allowance: CpuAllowance | None = None) -> int:
+    """How many calls one CPU variant runs at once: one per CPU this process gets, at most
+    MAX_RUNNERS. AOTInductor runs each call on one of its container's model instances (they share
+    the constants; each holds its activations) and makes a call wait while all are busy, so this
+    bounds what execution or batch instances, or a caller's own threads, can run side by side."""
+    return max(1, min(MAX_RUNNERS, (allowance or cpu_allowance()).cpus))
+
+
 def default_threads(allowance: CpuAllowance | None = None, environ: dict[str, str] | None = None) -> int:
     """The thread count ``fit_threads`` gives torch by default, found without torch: its own default
     (``OMP_NUM_THREADS``, else the host's physical cores) cut to the CPUs this process gets."""

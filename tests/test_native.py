@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -480,3 +482,37 @@ def test_a_closed_model_refuses_calls(structured_artifact):
     model.close()
     with pytest.raises(RuntimeError, match="the model was closed"):
         model(x)
+
+
+def test_calls_from_two_threads_run_side_by_side(tagger_build):
+    """A variant's container has a model instance per CPU (loader.threads.concurrent_runners): a
+    short call made while another thread's long call is in the compiled code runs at once beside it.
+    With one instance (as before) it waited for the long call to end."""
+    from loader.threads import concurrent_runners
+
+    if concurrent_runners() < 2:
+        pytest.skip("this process gets one CPU")
+    model = loader.load_native(tagger_build.path, threads=1, open="eager")
+    dynamic = next(v for v in model.variants if v.kind == "dynamic")
+    container = model._runners[dynamic.id].container  # below the guards: the long call's size is no served shape
+    long = [np.ascontiguousarray(a) for a in tagger_inputs(16384, 32, seed=1)]
+    short = [np.ascontiguousarray(a) for a in tagger_inputs(1, 32, seed=2)]
+    container.run(short)
+    took = {}
+
+    def long_call():
+        start = time.perf_counter()
+        container.run(long)
+        took["long"] = time.perf_counter() - start
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    while container._in_flight._count == 0:  # the long call is on its way into the compiled code
+        time.sleep(0.0005)
+    time.sleep(0.002)
+    start = time.perf_counter()
+    container.run(short)
+    took["short"] = time.perf_counter() - start
+    caller.join()
+    # Waiting, the short call would take what was left of the long one: most of it.
+    assert took["short"] < took["long"] / 4, took

@@ -180,13 +180,16 @@ class Shim:
 
 
 class Container:
-    """One compiled model (a variant's library) and its container of one model instance, for "cpu".
+    """One compiled model (a variant's library) and its container of ``runners`` model instances,
+    for "cpu" (they share the constants; each holds its own activations).
 
     ``run`` takes C-contiguous numpy arrays in forward() order (the guards checked them) and returns
-    numpy copies of the outputs. Calls are serialised by the container itself (one instance).
+    numpy copies of the outputs. Up to ``runners`` calls run at once; the container makes a further
+    one wait for a free instance. With one instance, execution and batch instances of the server ran
+    one call at a time, whatever their number.
     """
 
-    def __init__(self, shim: Shim, library: Path, *, own_constants: bool = False):
+    def __init__(self, shim: Shim, library: Path, *, own_constants: bool = False, runners: int = 1):
         self.shim = shim
         try:
             self.lib = ctypes.CDLL(str(library))  # RTLD_LOCAL: each variant's library keeps its own symbols
@@ -199,11 +202,13 @@ class Container:
         handle = c_void_p()
         # A frozen variant (``own_constants``) copies its constants out of the library as it is created.
         with ConstantsRelease(library) if own_constants else contextlib.nullcontext():
-            self._call("AOTInductorModelContainerCreateWithDevice", byref(handle), 1, b"cpu", None)
+            self._call("AOTInductorModelContainerCreateWithDevice", byref(handle), max(1, runners), b"cpu", None)
         self.handle = handle.value
-        self._lock = threading.Lock()  # guards close() (and the deletion at exit) against a run in flight
+        self._in_flight = _InFlight()  # close() (and the deletion at exit) waits for the runs in flight
         # Deleted with this object (or by close()); the library itself stays mapped: ctypes never unloads one.
-        self._finalizer = weakref.finalize(self, _delete, self._lock, f["AOTInductorModelContainerDelete"], self.handle)
+        self._finalizer = weakref.finalize(
+            self, _delete, self._in_flight, f["AOTInductorModelContainerDelete"], self.handle
+        )
         self.num_inputs = self._size("AOTInductorModelContainerGetNumInputs")
         self.num_outputs = self._size("AOTInductorModelContainerGetNumOutputs")
 
@@ -240,11 +245,13 @@ class Container:
         shim = self.shim
         inputs = (c_void_p * self.num_inputs)(*[shim.tensor(a.ctypes.data, a.shape, a.dtype.name) for a in arrays])
         outputs = (c_void_p * self.num_outputs)()
-        with self._lock:
-            if self.handle is None:
-                raise CallFailed("the model was closed")
+        if not self._in_flight.enter():
+            raise CallFailed("the model was closed")
+        try:
             # The input handles are stolen by the container (it frees them); the outputs are ours.
             self._check(self._run(self.handle, inputs, self.num_inputs, outputs, self.num_outputs, None, None), "run")
+        finally:
+            self._in_flight.leave()
         results, failed = [], None
         for h in outputs:  # every handle is freed, even after one output cannot be read
             try:
@@ -257,9 +264,7 @@ class Container:
 
     def close(self) -> None:
         """Delete the container now (later runs raise CallFailed)."""
-        with self._lock:
-            if self.handle is not None:
-                self.handle = None
+        self._in_flight.close()
         self._finalizer()
 
     def _size(self, name: str) -> int:
@@ -280,9 +285,38 @@ class Container:
             raise CallFailed(f"compiled code: {what} failed{message}")
 
 
-def _delete(lock: threading.Lock, delete, handle: int) -> None:
-    with lock:  # never while a run is in flight
-        delete(handle)
+class _InFlight:
+    """The runs of one container in flight, and its closing, which refuses new runs and waits for
+    those in flight (runs go on at once: the container has a model instance for each)."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._count = 0
+        self._closed = False
+
+    def enter(self) -> bool:
+        with self._changed:
+            if self._closed:
+                return False
+            self._count += 1
+            return True
+
+    def leave(self) -> None:
+        with self._changed:
+            self._count -= 1
+            if self._count == 0:
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            while self._count:
+                self._changed.wait()
+
+
+def _delete(in_flight: _InFlight, delete, handle: int) -> None:
+    in_flight.close()  # never while a run is in flight
+    delete(handle)
 
 
 def _check(code: int, what: str) -> None:

@@ -29,6 +29,7 @@ from ..manifest import Manifest, Variant
 from ..opening import DEFAULT_OPEN, OnDemand, check_open_mode, open_variants, start_background
 from ..precision import REQUESTS, Choice, choose
 from ..source import Opened, open_artifact
+from ..threads import concurrent_runners
 from ..weights import MappedWeights
 from .capi import NUMPY_DTYPES, CallFailed, Container, Shim
 from .libs import find_torch, host_facts, start_runtime_soon
@@ -260,7 +261,9 @@ def _opener(
             if problem is not None:
                 raise _needs_torch(root, v, problem)
             try:
-                container = Container(shim(), library, own_constants=bool(v.embedded_constants))
+                container = Container(
+                    shim(), library, own_constants=bool(v.embedded_constants), runners=concurrent_runners()
+                )
             except CallFailed as e:
                 raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {e}") from None
         finally:
