@@ -4,6 +4,7 @@ thread with its own OpenMP team, a bounded queue in front, and 503 / UNAVAILABLE
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 import time
 
@@ -15,6 +16,7 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from loader import Live
+from loader.native.libs import openmp_library
 from loader.threads import cpu_allowance
 from precompile.cli import main
 from precompile.serve.app import create_app
@@ -31,17 +33,23 @@ BODY = {"inputs": {"ids": [[1, 2, 3, 4]], "mask": [[True, True, True, False]]}}
 # --- the pool itself -------------------------------------------------------------------------
 
 
-def test_each_instance_owns_its_share_of_the_threads():
-    before = torch.get_num_threads()
+def team_size() -> int:
+    """The calling thread's OpenMP team size (a per-thread setting; torch.get_num_threads() is the
+    process's last torch.set_num_threads)."""
+    return ctypes.CDLL(openmp_library()).omp_get_max_threads()
+
+
+def test_each_instance_sets_its_own_team():
+    before = team_size()
     instances = Instances(count=2, queue_size=0, threads=4)
     try:
-        seen = {instances.submit(lambda: (threading.current_thread().name, torch.get_num_threads())).result()}
+        seen = {instances.submit(lambda: (threading.current_thread().name, team_size())).result()}
         while len(seen) < 2:  # until both instances have run a call
-            seen.add(instances.submit(lambda: (threading.current_thread().name, torch.get_num_threads())).result())
+            seen.add(instances.submit(lambda: (threading.current_thread().name, team_size())).result())
     finally:
         instances.close()
-    assert {threads for _, threads in seen} == {2}  # 4 threads split between 2 instances
-    assert torch.get_num_threads() == before  # the caller's team is its own
+    assert {threads for _, threads in seen} == {4}  # each call ran alone: the whole team
+    assert team_size() == before  # the caller's team is its own
 
 
 def test_on_each_runs_once_on_every_instance_before_its_next_call():
@@ -82,6 +90,9 @@ def test_the_default_count_is_what_the_workers_share_of_the_cpus_can_feed():
     assert default_count(threads=cpus) == 1  # one team as wide as the CPUs
     assert default_count(workers=cpus, threads=1) == 1  # each worker's share is one CPU
     assert default_count(threads=4 * cpus) == 1  # at least one
+    # Torch-free calls run side by side (they let go of the GIL): one per CPU, sharing the team.
+    assert default_count(runtime="native", threads=cpus) == cpus
+    assert default_count(runtime="native", workers=cpus, threads=cpus) == 1
 
 
 def test_batches_at_once_default_to_one_per_cpu_where_calls_let_go_of_the_gil():
@@ -90,6 +101,27 @@ def test_batches_at_once_default_to_one_per_cpu_where_calls_let_go_of_the_gil():
     assert default_batch_count(runtime="native", threads=1) == 1  # never more batches than threads
     assert default_batch_count(runtime="native", workers=cpus, threads=cpus) == 1  # each worker's share
     assert default_batch_count(runtime="torch", threads=cpus) == 1  # the binding holds the GIL
+
+
+def test_a_lone_call_gets_the_whole_team_and_calls_at_once_share_it():
+    gate, started = threading.Event(), threading.Event()
+    instances = Instances(count=2, queue_size=4, threads=2)
+
+    def held():
+        started.set()
+        gate.wait(DEADLINE)
+        return team_size()
+
+    try:
+        assert instances.submit(team_size).result(timeout=DEADLINE) == 2  # alone: both threads
+        first = instances.submit(held)
+        assert started.wait(DEADLINE)
+        assert instances.submit(team_size).result(timeout=DEADLINE) == 1  # beside it: its share
+        gate.set()
+        assert first.result(timeout=DEADLINE) == 2  # it started alone
+    finally:
+        gate.set()
+        instances.close()
 
 
 def test_a_call_beyond_the_queue_is_refused_at_once_and_the_others_run():

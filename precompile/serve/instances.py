@@ -49,12 +49,17 @@ class InstancesClosed(Exception):
         super().__init__("the server is stopping")
 
 
-def default_count(*, workers: int = 1, threads: int | None = None) -> int:
+def default_count(*, workers: int = 1, threads: int | None = None, runtime: str = "torch") -> int:
     """The instances this worker's share of the CPUs (those the process gets, over ``workers``) can
-    feed, each with a full OpenMP team of ``threads`` (default: torch's, ``OMP_NUM_THREADS`` cut to
-    the CPUs); at least one."""
+    feed. On the torch runtime, whose binding holds the GIL for the whole call, each with a full
+    OpenMP team of ``threads`` (default: torch's, ``OMP_NUM_THREADS`` cut to the CPUs). On the
+    torch-free one, whose calls let go of the GIL and run side by side (a container instance per CPU,
+    ``loader.threads.concurrent_runners``), as many as ``default_batch_count``: a lone call gets the
+    whole team, calls at once share it. At least one."""
     allowance = cpu_allowance()
     threads = threads if threads is not None else default_threads(allowance)
+    if runtime == "native":
+        return default_batch_count(workers=workers, runtime=runtime, threads=threads)
     return max(1, allowance.cpus // max(1, workers) // max(1, threads))
 
 
@@ -73,15 +78,19 @@ def default_batch_count(*, workers: int = 1, runtime: str = "torch", threads: in
 
 
 class Instances:
-    """``count`` threads running the calls ``submit`` hands them, in order, ``threads`` OpenMP threads
-    in all split between them; at most ``queue_size`` calls wait for a free instance."""
+    """``count`` threads running the calls ``submit`` hands them, in order; at most ``queue_size``
+    calls wait for a free instance. ``threads`` OpenMP threads in all: a call that runs alone, with
+    nothing waiting, gets them all; calls at once get ``threads // count`` each (as loader.Batcher's
+    workers do), so one client keeps the whole machine and many share it."""
 
     def __init__(self, *, count: int, queue_size: int, threads: int | None = None):
         if count < 1 or queue_size < 0:
             raise ValueError(f"count must be at least 1 and queue_size at least 0, got {count} and {queue_size}")
         self.count = count
         self.queue_size = queue_size
-        self.threads_each = max(1, (threads if threads is not None else default_threads()) // count)
+        self.threads = max(1, threads if threads is not None else default_threads())
+        self.threads_each = max(1, self.threads // count)
+        self._running = 0  # instances running a call now
         self._waiting: collections.deque[tuple[Future, Callable[..., Any], dict[str, Any]]] = collections.deque()
         self._idle = 0  # instances waiting for a call
         self._lock = threading.Condition()
@@ -142,7 +151,7 @@ class Instances:
             t.join()
 
     def _run(self) -> None:
-        sized, seen = False, 0
+        team, seen = 0, 0  # this thread's OpenMP team size as last set (0: not set yet)
         while True:
             with self._lock:
                 self._idle += 1
@@ -155,23 +164,32 @@ class Instances:
                     return  # closed, nothing left
                 else:
                     job = self._waiting.popleft()
-            if not sized:  # this thread's OpenMP team only (the runtime is loaded by the first load)
-                sized = set_team_size(self.threads_each)
+                    self._running += 1
+                    alone = self._running == 1 and not self._waiting
             if job is None:
+                if not team and set_team_size(self.threads_each):  # the runtime is loaded by the first load
+                    team = self.threads_each
                 try:
                     each()
                 except Exception:  # noqa: BLE001: a warm-up that fails leaves the calls to say why
                     log.warning("an execution instance could not warm up", exc_info=True)
                 continue
-            future, fn, kwargs = job
-            if not future.set_running_or_notify_cancel():
-                continue  # its client gave up while it waited
             try:
-                result = fn(**kwargs)
-            except BaseException as e:  # noqa: BLE001: handed to the caller, whose policy answers it
-                future.set_exception(e)
-            else:
-                future.set_result(result)
+                size = self.threads if alone else self.threads_each  # this thread's team only
+                if size != team and set_team_size(size):
+                    team = size
+                future, fn, kwargs = job
+                if not future.set_running_or_notify_cancel():
+                    continue  # its client gave up while it waited
+                try:
+                    result = fn(**kwargs)
+                except BaseException as e:  # noqa: BLE001: handed to the caller, whose policy answers it
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
+            finally:
+                with self._lock:
+                    self._running -= 1
 
 
 def set_team_size(threads: int) -> bool:

@@ -88,7 +88,7 @@ class Service:
     def start(self) -> None:
         if self.batcher is None:  # calls run on a bounded number of execution instances, a queue in front
             self.instances = Instances(
-                count=self.config.instances or default_count(workers=self.config.workers),
+                count=self.config.instances or default_count(workers=self.config.workers, runtime=self.config.runtime),
                 queue_size=self.config.queue_size,
             )
         if self.config.record:
