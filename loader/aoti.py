@@ -11,7 +11,9 @@ the binding lacks would raise a TypeError from deep inside a load.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -136,7 +138,26 @@ def open_package(path: str, *, single_threaded: bool = False, device_index: int 
     the constants), device index (-1: the default one).
     """
     index = -1 if device_index is None else device_index
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, max(1, runners), index)
+    except RuntimeError as e:
+        if "undefined symbol: aoti_torch_" not in str(e) or not _expose_libtorch():
+            raise
     return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, max(1, runners), index)
+
+
+@functools.cache
+def _expose_libtorch() -> bool:
+    """Make libtorch_cpu's symbols global in this process (``import torch`` opens it RTLD_LOCAL), for
+    a standalone variant (``precompile.standalone``): its library is linked without libtorch, so the
+    C shim it calls must be found in the global scope. Once, and only when such a variant is opened.
+    Whether it was done."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL | getattr(os, "RTLD_NOLOAD", 0))
+    except OSError:
+        return False
+    return True
 
 
 def load_constants(runner: Any, constants: dict[str, torch.Tensor]) -> bool:

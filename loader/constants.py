@@ -17,6 +17,8 @@ WEIGHTS_FILE = "weights.safetensors"
 REFERENCES_FILE = "references.safetensors"  # a small input/output pair per variant, for `precompile verify --run`
 VARIANTS_DIR = "variants"
 VARIANT_SUFFIX = ".pt2"
+# precompile's own AOTI tensor shim, which standalone CPU variants call instead of libtorch_cpu's.
+STANDALONE_SHIM = "standalone/aoti_shim.so"
 
 # The OpenMP runtime's wait policy variable, read once when torch loads it (loader.threads).
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"

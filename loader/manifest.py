@@ -126,6 +126,12 @@ class Variant:
     # proxy executor, ...), found by the build; None: the torch-free loader can, or an older build did
     # not look (that loader looks again when it opens the package).
     needs_torch: str | None = None
+    # A standalone CPU variant (``precompile.standalone``): its library calls no libtorch, only the
+    # tensor shim in this artifact file (listed in files), which the torch-free loader opens instead
+    # of libc10 and libtorch_cpu. not_standalone: why a variant asked to be standalone is not (an
+    # extern kernel left, ...); it runs on torch's libraries as before.
+    shim: str | None = None
+    not_standalone: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -152,6 +158,10 @@ class Variant:
             self.needs_torch is not None
         ):  # only when set: artifacts without such variants stay readable by older loaders
             out["needs_torch"] = self.needs_torch
+        if self.shim is not None:  # only when set, as above
+            out["shim"] = self.shim
+        if self.not_standalone is not None:
+            out["not_standalone"] = self.not_standalone
         return out
 
 
@@ -694,7 +704,7 @@ def _parse_constants(r: _Reader, value: Any) -> dict[str, ConstantSpec]:
 
 VARIANT_KEYS = (
     "id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants",
-    "needs_torch",
+    "needs_torch", "shim", "not_standalone",
 )  # fmt: skip
 PRECISION_KEYS = ("precision", "cpu_features", "gate", "isa")
 CPU_FEATURE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
@@ -755,6 +765,12 @@ def _parse_variant(
             raise r.fail(f"{where}.constants", f"{prefix + c!r} is not declared in constants")
     precision, features, gate, isa = _parse_precision(r, v, where, device)
     needs_torch = None if v.get("needs_torch") is None else r.str(v["needs_torch"], f"{where}.needs_torch")
+    shim = None if v.get("shim") is None else r.str(v["shim"], f"{where}.shim")
+    if shim is not None and (shim not in files or device != "cpu"):
+        raise r.fail(
+            f"{where}.shim", f"{shim!r} is not listed in files" if device == "cpu" else "only a CPU variant has one"
+        )
+    not_standalone = None if v.get("not_standalone") is None else r.str(v["not_standalone"], f"{where}.not_standalone")
     return Variant(
         vid,
         kind,
@@ -771,6 +787,8 @@ def _parse_variant(
         gate,
         isa,
         needs_torch,
+        shim,
+        not_standalone,
     )
 
 

@@ -26,6 +26,10 @@ MANAGED: dict[str, str] = {
     "post_grad_custom_pre_pass": "precompile packs dynamic convolutions' weights there (precompile.passes.prepack)",
 }
 
+# compile.standalone's mark in a unit's options (not an Inductor option: precompile.standalone takes it
+# out and compiles the unit without extern kernels and libtorch, or says why it cannot).
+STANDALONE = "standalone"
+
 # Inductor writes the constants beside the code (not inside the .so), as pickles the build takes out.
 WEIGHTS_OUT: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,

@@ -30,7 +30,7 @@ from .cuda_targets import with_kernel_targets
 from .errors import PrecompileError
 from .executors import Executor, compile_units
 from .profile import PROFILE_NAME, Profile, read_profile
-from .progress import Progress
+from .progress import Progress, escape
 from .quiet import quiet_third_party_warnings
 from .stages.assemble import assemble_manifest, finish_manifest
 from .stages.batching import check_batching
@@ -179,6 +179,13 @@ def finish(
         check = _check_section(ctx, report, references, measured, trials, gates)
         manifest = finish_manifest(ctx, staging, manifest, check=check, version=version, expires=expires)
         publish(staging, target)
+    for v in manifest.variants:
+        if v.shim is not None:
+            progress.note(f"variant {v.id}: standalone (the torch-free loader runs it without libtorch)")
+        elif v.not_standalone is not None:
+            progress.note(
+                f"[yellow]variant {v.id}: not standalone[/]: {escape(v.not_standalone)}; it runs on torch's libraries"
+            )
     progress.note(
         f"{target}: {len(manifest.variants)} variant(s), {report.shapes} shapes checked, "
         f"max abs error {report.max_abs_error:.2e}"

@@ -109,6 +109,8 @@ class CompiledPackage:
     constants: dict[str, torch.Tensor]  # name -> contiguous tensor the compiled code expects
     metadata: dict[str, str]  # AOTInductor's own metadata (AOTI_CPU_ISA, AOTI_DEVICE_KEY, ...)
     embedded: bool = False  # the constants stay inside the package (``options.embeds_constants``)
+    standalone: bool = False  # runs on the artifact's own shim, without libtorch (``precompile.standalone``)
+    not_standalone: str | None = None  # asked to be standalone, why it is not
 
 
 @dataclass(frozen=True)

@@ -112,11 +112,12 @@ def _bind(lib: ctypes.CDLL, table: dict, where: str, optional: bool = False) -> 
 
 
 class Shim:
-    """libtorch_cpu's C shim, with the codes this libtorch gives dtypes, the CPU and strided layout."""
+    """libtorch_cpu's C shim (or precompile's standalone one, which has the same functions), with the
+    codes it gives dtypes, the CPU and strided layout."""
 
-    def __init__(self, libtorch: ctypes.CDLL):
+    def __init__(self, libtorch: ctypes.CDLL, *, where: str = "libtorch_cpu"):
         self.lib = libtorch  # kept loaded as long as this object lives
-        f = _bind(libtorch, _SHIM, "libtorch_cpu")
+        f = _bind(libtorch, _SHIM, where)
         self._from_blob = f["aoti_torch_create_tensor_from_blob_v2"]
         self._delete = f["aoti_torch_delete_tensor_object"]
         self._data_ptr = f["aoti_torch_get_data_ptr"]

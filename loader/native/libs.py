@@ -28,6 +28,7 @@ from ..threads import WAIT_POLICY_ENV, cpu_allowance, default_threads, openmp_en
 from .capi import Shim
 
 LIBRARIES = ("libc10.so", "libtorch_cpu.so")
+OPENMP = "libgomp.so.1"  # torch's wheel ships the one its compiled code is built against
 GLOBAL_DEPS = "libtorch_global_deps.so"  # what `import torch` opens first, RTLD_GLOBAL (OpenMP and friends)
 VERSION_RE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
 CUDA_RE = re.compile(r"""^cuda\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.MULTILINE)
@@ -141,15 +142,7 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
     global _runtime
     allowance = cpu_allowance()
     with _runtime_lock:
-        running = openmp_library()
-        if running is None:
-            count = threads if threads is not None else default_threads(allowance)
-            os.environ.update(openmp_env(count))
-        else:
-            openmp = ctypes.CDLL(running)
-            if threads is not None:
-                openmp.omp_set_num_threads(threads)
-            count = openmp.omp_get_max_threads()
+        count, _ = _configure_openmp(allowance, threads)
         if _runtime is None:
             try:
                 deps = torch.lib / GLOBAL_DEPS
@@ -161,6 +154,52 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
             _runtime = Shim(loaded[-1])
     warn_once(threading_problems(allowance, threads=count, wait_policy=os.environ.get(WAIT_POLICY_ENV)))
     return _runtime
+
+
+_standalone: dict[str, Shim] = {}
+
+
+def start_standalone_runtime(
+    shim: Path, torch: TorchLibraries | None = None, threads: int | None = None, *, key: str | None = None
+) -> Shim:
+    """Open OpenMP and precompile's own tensor shim (``shim``, shipped in a standalone artifact),
+    never libc10 or libtorch_cpu: a standalone variant's library calls nothing else. OpenMP is
+    configured first, as ``start_runtime`` does; it is torch's ``libgomp`` where a torch wheel is
+    found (the one the variant was built against), else the system's. The shim is opened
+    RTLD_GLOBAL, so that each variant's library (opened RTLD_LOCAL) binds its ``aoti_torch_*`` and
+    SLEEF calls to it; once per shim (``key``: its sha256; default its path) per process."""
+    allowance = cpu_allowance()
+    with _runtime_lock:
+        count, fresh = _configure_openmp(allowance, threads)
+        if fresh:
+            gomp = torch.lib / OPENMP if torch is not None and (torch.lib / OPENMP).is_file() else None
+            try:
+                ctypes.CDLL(str(gomp) if gomp is not None else OPENMP, mode=ctypes.RTLD_GLOBAL)
+            except OSError as e:
+                raise LoaderError(f"cannot open the OpenMP runtime ({OPENMP}): {e}") from None
+        key = key or str(shim)
+        if key not in _standalone:
+            try:
+                _standalone[key] = Shim(ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL), where="the standalone shim")
+            except OSError as e:
+                raise LoaderError(f"{shim}: cannot open the standalone shim ({e})") from None
+    warn_once(threading_problems(allowance, threads=count, wait_policy=os.environ.get(WAIT_POLICY_ENV)))
+    return _standalone[key]
+
+
+def _configure_openmp(allowance, threads: int | None) -> tuple[int, bool]:
+    """OpenMP's thread count for this process, and whether its runtime is still to be opened: then
+    its settings are put in the environment first (it reads them as it loads); a runtime already
+    running keeps its count unless ``threads`` asks for another (for the calling thread)."""
+    running = openmp_library()
+    if running is None:
+        count = threads if threads is not None else default_threads(allowance)
+        os.environ.update(openmp_env(count))
+        return count, True
+    openmp = ctypes.CDLL(running)
+    if threads is not None:
+        openmp.omp_set_num_threads(threads)
+    return openmp.omp_get_max_threads(), False
 
 
 def start_runtime_soon(torch: TorchLibraries, threads: int | None = None) -> Callable[[], Shim]:

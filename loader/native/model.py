@@ -10,9 +10,12 @@ its weights handed over in place from the same memory map (``weights.safetensors
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..artifact import HeldFile
+from ..constants import MANIFEST_FILE
 from ..dispatch import ServedModel
 from ..errors import ArtifactError, IncompatibleArtifactError
 from ..host import native_cpu_problem
@@ -32,7 +36,7 @@ from ..source import Opened, open_artifact
 from ..threads import concurrent_runners
 from ..weights import MappedWeights
 from .capi import NUMPY_DTYPES, CallFailed, Container, Shim
-from .libs import find_torch, host_facts, start_runtime_soon
+from .libs import TorchLibraries, find_torch, host_facts, start_runtime_soon, start_standalone_runtime
 from .npguards import NUMPY_OPS, ArrayGuard
 from .package import PackageLibrary, extract_library, read_package
 
@@ -134,8 +138,9 @@ def load_native(
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
     check_open_mode(open)
     torch = find_torch()
-    # Opening torch's libraries overlaps the checks below; it opens nothing of the artifact.
-    shim = start_runtime_soon(torch, threads)
+    # Opening torch's libraries overlaps the checks below; it opens nothing of the artifact. Not
+    # opened at all where every CPU variant is standalone (it runs on the artifact's own shim).
+    shim = _Runtimes(torch, threads, start_torch=_may_need_torch(path))
     try:
         opened = open_artifact(
             path,
@@ -235,8 +240,60 @@ def _needs_torch(root: Path, v: Variant, why: str) -> IncompatibleArtifactError:
     return IncompatibleArtifactError(f"{root}: variant {v.id!r} cannot run without torch: {why}; {USE_TORCH}{other}")
 
 
+class _Runtimes:
+    """What runs the variants' libraries: torch's (libc10, libtorch_cpu: opened in the background
+    from the start unless every CPU variant is standalone, else at the first variant that needs
+    them) or, for a standalone variant, the artifact's own tensor shim beside OpenMP."""
+
+    def __init__(self, torch: TorchLibraries, threads: int | None, *, start_torch: bool):
+        self._libraries, self._threads = torch, threads
+        self._lock = threading.Lock()
+        self._wait = start_runtime_soon(torch, threads) if start_torch else None
+
+    def torch(self) -> Shim:
+        with self._lock:
+            if self._wait is None:
+                self._wait = start_runtime_soon(self._libraries, self._threads)
+        return self._wait()
+
+    def standalone(self, opened: Opened, v: Variant) -> Shim:
+        """The shim a standalone variant names, read once and checked against the manifest's size and
+        sha256 as it is copied to a private file, which is opened and removed (what runs is what was
+        hashed)."""
+        root, entry = opened.root, opened.manifest.files[v.shim]
+        try:
+            fd = os.open(root / v.shim, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(entry.size + 1)
+        except OSError as e:
+            raise ArtifactError(f"{root}: cannot read {v.shim} ({e.strerror})") from None
+        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ArtifactError(
+                f"{root}: {v.shim} does not match its size and sha256 in the manifest (changed or corrupt)"
+            )
+        folder = Path(tempfile.mkdtemp(prefix="precompile-shim-"))
+        try:
+            copy = folder / "aoti_shim.so"
+            copy.write_bytes(data)
+            return start_standalone_runtime(copy, self._libraries, self._threads, key=entry.sha256)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _may_need_torch(path: str | os.PathLike) -> bool:
+    """Whether a load of ``path`` may open torch's libraries: False only for a folder whose manifest
+    (peeked at, unchecked: it decides what to start early, nothing else) lists only standalone CPU
+    variants; a pack, a URL or anything unreadable: True."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST_FILE).read_text(encoding="utf-8"))
+        cpu = [v for v in manifest["variants"] if v.get("device", "cpu") == "cpu"]
+        return not cpu or any(not v.get("shim") for v in cpu)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return True
+
+
 def _opener(
-    shim: Callable[[], Shim],
+    shim: _Runtimes,
     opened: Opened,
     variants: dict[str, Variant],
     packages: dict[str, tuple[PackageLibrary, HeldFile]],
@@ -244,8 +301,8 @@ def _opener(
 ) -> Callable[[str], _Runner]:
     """What opens one variant by id (``loader.opening`` decides when): its library copied out of its
     package (hashed in the same pass, for a folder), opened, checked against the manifest and, unless
-    its constants are inside it, handed them as views of ``weights``' buffer. ``shim()`` waits for
-    torch's libraries, once the library is out."""
+    its constants are inside it, handed them as views of ``weights``' buffer. ``shim`` gives what
+    runs it (torch's libraries, waited for once the library is out, or the artifact's shim)."""
     root, manifest = opened.root, opened.manifest
 
     def open_one(variant_id: str) -> _Runner:
@@ -261,8 +318,9 @@ def _opener(
             if problem is not None:
                 raise _needs_torch(root, v, problem)
             try:
+                runtime = shim.standalone(opened, v) if v.shim is not None else shim.torch()
                 container = Container(
-                    shim(), library, own_constants=bool(v.embedded_constants), runners=concurrent_runners()
+                    runtime, library, own_constants=bool(v.embedded_constants), runners=concurrent_runners()
                 )
             except CallFailed as e:
                 raise ArtifactError(f"{root}: variant {v.id!r}: cannot open {v.file}: {e}") from None

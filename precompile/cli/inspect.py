@@ -55,7 +55,10 @@ def describe(manifest) -> str:
             + (f"  ({v.dtype})" if v.dtype else "")
             + ("  [own weights]" if v.embedded_constants else "")
             + (f"  [{v.isa}]" if v.isa else "")
+            + ("  [standalone]" if v.shim else "")
         )
+        if v.not_standalone:
+            lines.append(f"  {'':<18} not standalone: {v.not_standalone}")
         if v.precision != "fp32":
             lines.append(f"  {'':<18} {_gate(v)}")
     if manifest.cuda is not None:

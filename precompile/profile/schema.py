@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loader.constants import DTYPES
 
-from ..options import PRESETS
+from ..options import PRESETS, STANDALONE
 
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 
@@ -114,15 +114,24 @@ class CompileSpec(_Strict):
         description="compile every variant under several option sets and keep the fastest that matches eager",
     )
 
+    standalone: bool = Field(
+        default=False,
+        description="CPU variants that run without libc10 and libtorch_cpu: no extern kernel left (C++ GEMM "
+        "templates, attention decomposed), linked without libtorch, served by the torch-free loader on the "
+        "artifact's own tensor shim; a variant that cannot be is compiled as usual and says why",
+    )
+
     def candidates(self) -> list[dict[str, Any]]:
         """The option sets each variant is compiled with: compile.inductor alone without tuning, else
-        each candidate (preset first, then the listed ones, duplicates dropped) merged over it."""
+        each candidate (preset first, then the listed ones, duplicates dropped) merged over it; each
+        marked standalone (``precompile.standalone.OPTION``) when asked."""
+        mark = {STANDALONE: True} if self.standalone else {}
         if self.tune is None:
-            return [dict(self.inductor)]
+            return [{**self.inductor, **mark}]
         listed = (PRESETS.get(self.tune.preset, []) if self.tune.preset else []) + list(self.tune.candidates)
         out: list[dict[str, Any]] = []
         for c in listed or [{}]:
-            merged = {**self.inductor, **c}
+            merged = {**self.inductor, **c, **mark}
             if merged not in out:
                 out.append(merged)
         return out

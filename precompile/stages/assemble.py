@@ -29,6 +29,7 @@ from ..analysis.value_ranges import manifest_inputs
 from ..context import BuildContext
 from ..errors import CompileError
 from ..native_check import needs_torch
+from ..standalone import artifact_shim
 from ..units import CompiledUnit
 from ..version import __version__
 from ..write import file_entries, write_manifest, write_weights
@@ -58,6 +59,10 @@ def assemble_manifest(
     profile = ctx.profile
     measured = gates or {}
     const_specs, prefixes = _store_constants(staging, units)
+    if any(u.package.standalone for u in units):
+        artifact_shim(staging)  # already there, unless the units were compiled on other hosts (Ray)
+    else:  # built for a candidate the build did not keep
+        (staging / C.STANDALONE_SHIM).unlink(missing_ok=True)
     # The native code's vector ISA, which the loader checks native variants against.
     metadata = next((u for u in units if u.variant.isa is None), units[0]).package.metadata
     manifest = Manifest(
@@ -92,6 +97,8 @@ def assemble_manifest(
                 gate=measured.get(vp.id),
                 isa=vp.isa,
                 needs_torch=needs_torch(pkg.path, vp.device),
+                shim=C.STANDALONE_SHIM if pkg.standalone else None,
+                not_standalone=pkg.not_standalone,
             )
             for vp, pkg in ((u.variant, u.package) for u in units)
         ),

@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 
 from loader.aoti import open_package
 
+from .. import standalone
 from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
 from ..options import WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
@@ -45,10 +46,9 @@ def compile_package(
     Inductor's vector ISA pinned to it (``precompile.cpu_isa``); None: the build host's own.
     ``shapes`` (the profile's input shapes, ``[batch, seq]``) name the dims in a lowering failure.
     """
-    import torch._inductor  # build side only
-
     from ..passes.prepack import PrepackConvolutions  # imports torch._inductor too
 
+    options, wanted = standalone.without_option(options)
     options = with_kind_defaults(options, convnets.model_kind(ep))  # convnets: frozen unless told otherwise
     embedded = embeds_constants(options, device)
     configs = {**options} if embedded else {**options, **WEIGHTS_OUT}
@@ -58,6 +58,27 @@ def compile_package(
         configs["aot_inductor.emit_multi_arch_kernel"] = True
     raw = out.with_suffix(".full.pt2")
     convnets.rewrite(ep)  # Inductor defects around pooling and convolutions (precompile.passes.convnets)
+    shim, not_standalone = None, None
+    if wanted and device == "cpu":
+        shim, not_standalone = _compile_standalone(ep, raw, configs, isa, out.parent.parent)
+    if shim is None:
+        _compile(ep, raw, configs, isa, shapes)
+    if embedded:
+        raw.replace(out)
+        constants = {}
+    else:
+        constants = _strip_weights(raw, out)
+        raw.unlink()
+    runner = open_package(str(out), device_index=0 if device == "cuda" else None)
+    missing = set(runner.get_constant_fqns()) - set(constants)
+    if missing and not embedded:
+        raise CompileError(f"the compiled code needs constants the package did not contain: {sorted(missing)}")
+    return CompiledPackage(out, constants, dict(runner.get_metadata()), embedded, shim is not None, not_standalone)
+
+
+def _compile(ep: ExportedProgram, raw: Path, configs: dict[str, Any], isa: str | None, shapes) -> None:
+    import torch._inductor  # build side only
+
     try:
         # Gradients off: Inductor's freezing (constant folding, weight prepacking) only applies to
         # graphs compiled without them; serving never needs them.
@@ -69,17 +90,29 @@ def compile_package(
             e, ep, [list(shape) for shape in shapes]
         )  # a lowering failure: one line, in the profile's words
         raise CompileError(said or f"AOTInductor failed: {type(e).__name__}: {str(e).strip()[:4000]}") from None
-    if embedded:
-        raw.replace(out)
-        constants = {}
-    else:
-        constants = _strip_weights(raw, out)
+
+
+def _compile_standalone(
+    ep: ExportedProgram, raw: Path, configs: dict[str, Any], isa: str | None, staging: Path
+) -> tuple[Path | None, str | None]:
+    """Compile ``ep`` standalone (``precompile.standalone``) into ``raw``: the artifact's shim (built
+    into ``staging`` once) and None; or None and why it cannot be, for a compile the usual way."""
+    import torch._inductor  # build side only
+
+    try:
+        shim = standalone.artifact_shim(staging)
+        with warnings.catch_warnings(), torch.no_grad(), pinned_vector_isa(isa):
+            warnings.simplefilter("ignore")
+            torch._inductor.aoti_compile_and_package(
+                standalone.decompose(ep), package_path=str(raw), inductor_configs=standalone.inductor_options(configs)
+            )
+    except Exception as e:  # Inductor, the template's refusal (NoValidChoicesError) and the toolchain
+        raw.unlink(missing_ok=True)
+        return None, standalone.refusal(e)
+    problem = standalone.problem(raw, shim)
+    if problem is not None:
         raw.unlink()
-    runner = open_package(str(out), device_index=0 if device == "cuda" else None)
-    missing = set(runner.get_constant_fqns()) - set(constants)
-    if missing and not embedded:
-        raise CompileError(f"the compiled code needs constants the package did not contain: {sorted(missing)}")
-    return CompiledPackage(out, constants, dict(runner.get_metadata()), embedded)
+    return (None, problem) if problem else (shim, None)
 
 
 def _strip_weights(src_path: Path, dst_path: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,151 @@
+"""Standalone CPU variants (``compile: {standalone: true}``, ``precompile.standalone``): the tiny
+encoder (masked attention, a feed-forward block, layer norms) compiled with no extern kernel left and
+linked without libtorch is served by the torch-free loader in a process that has loaded OpenMP and
+the artifact's own shim, never libc10 or libtorch_cpu, and gives what ``loader.load`` gives on
+torch's libraries (within float tolerance: its exp is the shim's, not SLEEF's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import loader
+from loader import ArtifactError
+from loader import constants as C
+from loader.manifest import parse_manifest
+from precompile import standalone
+from precompile.pipeline import build
+
+from .conftest import write_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(1, 2), (2, 8), (3, 13), (4, 24)]
+
+PROFILE = """
+name: tiny-encoder-standalone
+model: {factory: "tiny:encoder"}
+inputs:
+  ids:  {shape: [batch, seq], dtype: int64, range: [0, 49]}
+  mask: {shape: [batch, seq], dtype: bool}
+dims:
+  batch: {min: 1, max: 8}
+  seq:   {min: 2, max: 32}
+compile: {standalone: true}
+check: {random_shapes: 1}
+"""
+
+
+def encoder_inputs(batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(batch * 100 + seq)
+    mask = np.ones((batch, seq), dtype=bool)
+    mask[0, seq // 2 + 1 :] = False
+    return rng.integers(0, 50, (batch, seq)), mask
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("standalone")
+    return build(write_profile(folder, PROFILE), folder / "artifact").path
+
+
+def test_the_build_says_each_variant_is_standalone(artifact, tmp_path):
+    manifest = json.loads((artifact / C.MANIFEST_FILE).read_text())
+    (variant,) = manifest["variants"]
+    assert variant["shim"] == C.STANDALONE_SHIM and "not_standalone" not in variant
+    assert C.STANDALONE_SHIM in manifest["files"]  # hashed (and signed with the manifest)
+    with zipfile.ZipFile(artifact / variant["file"]) as z:
+        (member,) = [n for n in z.namelist() if n.endswith(".so")]
+        (tmp_path / "variant.so").write_bytes(z.read(member))
+    needed = subprocess.run(["readelf", "-d", str(tmp_path / "variant.so")], capture_output=True, text=True).stdout
+    assert "libgomp" in needed and "libtorch" not in needed and "libc10" not in needed
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    sys.modules["torch"] = None  # importing torch would fail
+    from pathlib import Path
+    import loader
+
+    artifact, inputs, out = sys.argv[1:4]
+    model = loader.load_native(artifact, threads=1)
+    got = {}
+    for k, (ids, mask) in enumerate(np.load(inputs, allow_pickle=True)):
+        got[f"states{k}"], got[f"pooled{k}"] = model(ids, mask)
+    np.savez(out, **got)
+    maps = Path("/proc/self/maps").read_text()
+    print(json.dumps({
+        "torch": sorted(m for m in sys.modules if m.startswith("torch") and sys.modules[m] is not None),
+        "libs": sorted({line.split(maxsplit=5)[5].removesuffix(" (deleted)").rsplit("/", 1)[-1]
+                        for line in maps.splitlines()
+                        if "libtorch" in line or "libc10" in line or "aoti_shim" in line}),
+    }))
+    """
+)
+
+
+def test_served_without_torch_libraries_as_the_torch_loader_serves_it(artifact, tmp_path):
+    inputs = np.empty(len(SHAPES), dtype=object)
+    inputs[:] = [encoder_inputs(b, s) for b, s in SHAPES]
+    np.save(tmp_path / "inputs.npy", inputs, allow_pickle=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(artifact), str(tmp_path / "inputs.npy"), str(tmp_path / "out.npz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"torch": [], "libs": ["aoti_shim.so"]}  # the shim; neither torch's package nor its libraries
+    got = np.load(tmp_path / "out.npz")
+    on_torch = loader.load(artifact)  # the same library, on libtorch_cpu's shim
+    for k, (ids, mask) in enumerate(inputs):
+        for name, want in zip(("states", "pooled"), on_torch(torch.from_numpy(ids), torch.from_numpy(mask))):
+            assert got[f"{name}{k}"].shape == tuple(want.shape)
+            np.testing.assert_allclose(got[f"{name}{k}"], want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_shim_the_files_do_not_list_is_refused(artifact):
+    manifest = json.loads((artifact / C.MANIFEST_FILE).read_text())
+    manifest["variants"][0]["shim"] = "standalone/other.so"
+    with pytest.raises(ArtifactError, match=r"variants\[0\]\.shim: 'standalone/other.so' is not listed in files"):
+        parse_manifest(json.dumps(manifest))
+
+
+def test_a_changed_shim_is_refused(artifact, tmp_path):
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(artifact), str(copy)], check=True)
+    shim = copy / C.STANDALONE_SHIM
+    shim.write_bytes(shim.read_bytes() + b"\0")
+    with pytest.raises(ArtifactError, match="aoti_shim.so"):
+        loader.load_native(copy, verify=False)
+
+
+def test_a_missing_symbol_is_named(artifact, tmp_path):
+    """A library that calls what the shim lacks (an extern kernel) is not standalone, and says which."""
+    source = tmp_path / "needs.cpp"
+    source.write_text(
+        'extern "C" int aoti_torch_cpu_bmm_out(void*, void*, void*);\n'
+        'extern "C" int run(void) { return aoti_torch_cpu_bmm_out(0, 0, 0); }\n'
+    )
+    lib = tmp_path / "m.so"
+    subprocess.run(["g++", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+    fake = tmp_path / "fake.pt2"
+    with zipfile.ZipFile(fake, "w") as z:
+        z.write(lib, "fake/data/aotinductor/model/m.so")
+    assert (
+        standalone.problem(fake, artifact / C.STANDALONE_SHIM)
+        == "its compiled code calls aoti_torch_cpu_bmm_out of libtorch (an extern kernel)"
+    )
