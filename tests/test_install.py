@@ -85,6 +85,7 @@ def test_the_wheel_holds_the_runtime_the_cli_and_the_server_and_nothing_else(whe
         "precompile/cli/__init__.py",
         "precompile/cli/serve.py",
         "precompile/serve/app.py",
+        "precompile/standalone/shim.cpp",  # compiled by compile: {standalone: true}
     ):
         assert module in names
     assert re.search(r"^precompile = precompile\.cli:main$", entry_points, re.M)
