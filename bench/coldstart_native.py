@@ -3,7 +3,7 @@ the same model and the bench extra): fresh process to first correct result, and 
 same for the server on each runtime (process start to the first 200 of POST /v2/models/NAME/infer).
 
     python -m bench.coldstart_native ARTIFACT[=ONNX] [ARTIFACT[=ONNX] ...] [--rounds 5]
-        [--dims batch=4,seq=77] [--no-server] [--open eager|background|lazy] [-o OUT.json]
+        [--dims batch=4,seq=77] [--no-server] [--open eager|background|lazy] [--per-call N] [-o OUT.json]
 
     # MiniLM and a convnet as the bench builds them (python -m bench --keep KEEP: KEEP/CASE/planned is the
     # artifact, KEEP/CASE/model.onnx the same model for ONNX Runtime, which needs the bench extra):
@@ -11,7 +11,7 @@ same for the server on each runtime (process start to the first 200 of POST /v2/
         KEEP/resnet50/planned=KEEP/resnet50/model.onnx --rounds 10 -o coldstart_native.json
     # and MiniLM standalone (precompile build profiles/bench/minilm_standalone.yaml -o KEEP/minilm/standalone):
     python -m bench.coldstart_native KEEP/minilm/standalone=KEEP/minilm/model.onnx \\
-        KEEP/minilm/planned=KEEP/minilm/model.onnx --rounds 10 --no-server -o coldstart_standalone.json
+        KEEP/minilm/planned=KEEP/minilm/model.onnx --rounds 10 --no-server --per-call 50 -o coldstart_standalone.json
 
 Methods, alternated round by round so a neighbour's load slows them alike:
 
@@ -56,6 +56,7 @@ from pathlib import Path
 
 METHODS = ("native", "loader", "onnxruntime", "serve-native", "serve-torch")
 ROOT = Path(__file__).resolve().parent.parent
+PER_CALL_ENV = "BENCH_PER_CALL"  # set for a child: a steady pass of that many calls per block
 SERVER_DEADLINE = 300.0  # seconds a server may take to answer its first call
 
 
@@ -94,19 +95,26 @@ def child(method: str, artifact: str, case: str, out: str, onnx: str | None, ope
 
     feeds = dict(np.load(case))
     options = {"open": open_mode} if open_mode else {}
+    per_call = int(os.environ.get(PER_CALL_ENV) or 0)
+    if per_call:  # a steady pass, not a cold start: one thread, time.process_time per call
+        options["threads"] = 1
     if method == "native":
         import loader
 
         model = loader.load_native(artifact, **options)
-        names = model.input_names
-        result = model(*[feeds[n] for n in names])
+        args = [feeds[n] for n in model.input_names]
     elif method == "loader":
         import torch
 
         import loader
 
         model = loader.load(artifact, **options)
-        result = model(*[torch.from_numpy(feeds[n]) for n in model.input_names])
+        args = [torch.from_numpy(feeds[n]) for n in model.input_names]
+    if method in ("native", "loader"):
+        result = model(*args)
+        if per_call:
+            print(json.dumps({"per_call_ms": _per_call_ms(lambda: model(*args), per_call)}), flush=True)
+            return
     else:
         from bench.peers import open_engine
 
@@ -126,6 +134,20 @@ def child(method: str, artifact: str, case: str, out: str, onnx: str | None, ope
     np.save(out, first.numpy() if hasattr(first, "numpy") and not isinstance(first, np.ndarray) else np.asarray(first))
 
 
+def _per_call_ms(call, calls: int) -> float:
+    """CPU milliseconds per call (``time.process_time``: every thread's, so a neighbour's load
+    slows it less than wall-clock time), the least of 5 blocks of ``calls``, after 5 warm calls."""
+    for _ in range(5):
+        call()
+    blocks = []
+    for _ in range(5):
+        began = time.process_time()
+        for _ in range(calls):
+            call()
+        blocks.append((time.process_time() - began) / calls * 1e3)
+    return min(blocks)
+
+
 def _first(result):
     """The first array of forward()'s structure."""
     while isinstance(result, (tuple, list, dict)):
@@ -140,10 +162,14 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None, open_mode: str | None) -> dict:
+def start(
+    method: str, artifact: Path, case: Path, out: Path, onnx: str | None, open_mode: str | None, per_call: int = 0
+) -> dict:
     if method.startswith("serve-"):
         return serve_once(method.removeprefix("serve-"), artifact, case, out)
     env = child_env()
+    if per_call:
+        env[PER_CALL_ENV] = str(per_call)
     command = [
         sys.executable,
         "-m",
@@ -161,6 +187,8 @@ def start(method: str, artifact: Path, case: Path, out: Path, onnx: str | None, 
     if proc.returncode != 0:
         raise RuntimeError(f"{method} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if per_call:
+        return report
     return {
         "seconds": report["done"] - began,
         "rss_mb": report["rss_mb"],
@@ -295,6 +323,11 @@ def measure(artifact: Path, onnx: str | None, opts: argparse.Namespace, dims: di
                 out = folder / f"{method}.npy"
                 runs[method].append(start(method, artifact, case, out, onnx, opts.open))
                 results[method] = np.load(out)
+        steady = {
+            m: start(m, artifact, case, folder / "steady.npy", onnx, opts.open, opts.per_call)["per_call_ms"]
+            for m in ("native", "loader")
+            if opts.per_call and m in methods
+        }
     reference = results["loader"]
     scale = float(np.abs(reference).max()) or 1.0
 
@@ -336,6 +369,7 @@ def measure(artifact: Path, onnx: str | None, opts: argparse.Namespace, dims: di
                     if "cpu_s" in rs[0]
                     else {}
                 ),
+                **({"per_call_ms_1_thread": steady[m]} if m in steady else {}),
                 "correct": checks.get(m, True),
                 "bit_identical": bool(np.array_equal(results[m], reference)),
             }
@@ -357,6 +391,13 @@ def main(argv: list[str] | None = None) -> None:
         "--dims", default="", help="dim sizes of the call, e.g. batch=4,seq=77 (each model takes its own)"
     )
     parser.add_argument("--no-server", action="store_true", help="skip the servers' cold starts")
+    parser.add_argument(
+        "--per-call",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the loaders' steady calls: one thread, CPU ms per call (least of 5 blocks of N)",
+    )
     parser.add_argument(
         "--open",
         choices=("eager", "background", "lazy"),

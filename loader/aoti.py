@@ -22,6 +22,7 @@ import torch
 
 from . import constants as C
 from .errors import IncompatibleArtifactError
+from .native.libs import MIXED, shim_in_global_scope
 
 METHODS = ("__init__", "load_constants", "run", "get_constant_fqns", "get_metadata")
 
@@ -138,6 +139,8 @@ def open_package(path: str, *, single_threaded: bool = False, device_index: int 
     the constants), device index (-1: the default one).
     """
     index = -1 if device_index is None else device_index
+    if shim_in_global_scope():  # its calls would bind to precompile's shim, not to libtorch_cpu's
+        raise IncompatibleArtifactError(f"{path}: {MIXED}")
     try:
         return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, max(1, runners), index)
     except RuntimeError as e:

@@ -149,3 +149,52 @@ def test_a_missing_symbol_is_named(artifact, tmp_path):
         standalone.problem(fake, artifact / C.STANDALONE_SHIM)
         == "its compiled code calls aoti_torch_cpu_bmm_out of libtorch (an extern kernel)"
     )
+
+
+MIXED_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    sys.modules["torch"] = None
+    import loader
+    from loader import LoaderError
+
+    standalone, other, order, inputs = sys.argv[1:5]
+    ids, mask = np.load(inputs, allow_pickle=True)[0]
+    first, second = (standalone, other) if order == "standalone-first" else (other, standalone)
+    loader.load_native(first)
+    try:
+        model = loader.load_native(second)
+    except LoaderError as e:
+        print(json.dumps({"refused": str(e)}))
+        sys.exit(0)
+    if second == standalone:
+        np.savez(sys.argv[5], *model(ids, mask))
+    print(json.dumps({"served": True, "libtorch": "/libtorch_cpu.so" in open("/proc/self/maps").read()}))
+    """
+)
+
+
+@pytest.mark.parametrize("order", ["standalone-first", "torch-first"])
+def test_one_provider_of_the_shim_per_process(artifact, classifier_artifact, tmp_path, order):
+    """After a standalone variant, a variant that needs libtorch_cpu is refused in that process (its
+    calls would bind to precompile's shim); after torch's libraries, standalone variants run on them."""
+    inputs = np.empty(1, dtype=object)
+    inputs[:] = [encoder_inputs(3, 13)]
+    np.save(tmp_path / "inputs.npy", inputs, allow_pickle=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
+    args = [str(artifact), str(classifier_artifact), order, str(tmp_path / "inputs.npy"), str(tmp_path / "out.npz")]
+    done = subprocess.run(
+        [sys.executable, "-c", MIXED_CHILD, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    if order == "standalone-first":
+        assert "cannot run beside them" in seen["refused"]
+        return
+    assert seen == {"served": True, "libtorch": True}
+    got = np.load(tmp_path / "out.npz")
+    ids, mask = inputs[0]
+    want = loader.load(artifact)(torch.from_numpy(ids), torch.from_numpy(mask))
+    for k, w in enumerate(want):
+        np.testing.assert_array_equal(got[f"arr_{k}"], w.numpy())  # the same library on the same libtorch

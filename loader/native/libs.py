@@ -142,6 +142,8 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
     global _runtime
     allowance = cpu_allowance()
     with _runtime_lock:
+        if _runtime is None and shim_in_global_scope():
+            raise LoaderError(MIXED)
         count, _ = _configure_openmp(allowance, threads)
         if _runtime is None:
             try:
@@ -156,18 +158,42 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
     return _runtime
 
 
-_standalone: dict[str, Shim] = {}
+_standalone: Shim | None = None
+SHIM_MARK = "precompile_shim_last_error"  # a symbol only precompile's shim exports
+MIXED = (
+    "this process runs standalone variants on precompile's shim, which provides the aoti_torch_* calls to "
+    "every library opened after it: a variant that needs libtorch_cpu cannot run beside them (serve it from "
+    "another process, or build it standalone too)"
+)
 
 
-def start_standalone_runtime(
-    shim: Path, torch: TorchLibraries | None = None, threads: int | None = None, *, key: str | None = None
-) -> Shim:
-    """Open OpenMP and precompile's own tensor shim (``shim``, shipped in a standalone artifact),
-    never libc10 or libtorch_cpu: a standalone variant's library calls nothing else. OpenMP is
-    configured first, as ``start_runtime`` does; it is torch's ``libgomp`` where a torch wheel is
-    found (the one the variant was built against), else the system's. The shim is opened
-    RTLD_GLOBAL, so that each variant's library (opened RTLD_LOCAL) binds its ``aoti_torch_*`` and
-    SLEEF calls to it; once per shim (``key``: its sha256; default its path) per process."""
+def shim_in_global_scope() -> bool:
+    """Whether precompile's shim provides this process's ``aoti_torch_*`` symbols (a standalone
+    variant was opened on it): libraries opened later bind to it before their own libtorch_cpu."""
+    try:
+        getattr(ctypes.CDLL(None), SHIM_MARK)
+    except AttributeError:
+        return False
+    return True
+
+
+def start_standalone_runtime(shim: Path, torch: TorchLibraries | None = None, threads: int | None = None) -> Shim:
+    """What runs standalone variants: OpenMP and precompile's own tensor shim (``shim``, shipped in
+    a standalone artifact), never libc10 or libtorch_cpu, whose calls are all that a standalone
+    variant's library makes. OpenMP is configured first, as ``start_runtime`` does; it is torch's
+    ``libgomp`` where a torch wheel is found (the one the variant was built against), else the
+    system's. The shim is opened RTLD_GLOBAL, so that each variant's library (opened RTLD_LOCAL)
+    binds its ``aoti_torch_*`` and SLEEF calls to it.
+
+    One provider of those calls per process: the first shim opened serves every later standalone
+    variant (each artifact's is built from the same source), and where torch's libraries run
+    already (``start_runtime``, or ``import torch``), they do: libtorch_cpu is made global instead.
+    """
+    global _standalone
+    if torch is not None and (_runtime is not None or torch_libraries_loaded()):
+        runtime = start_runtime(torch, threads)
+        expose_libtorch(torch)
+        return runtime
     allowance = cpu_allowance()
     with _runtime_lock:
         count, fresh = _configure_openmp(allowance, threads)
@@ -177,14 +203,30 @@ def start_standalone_runtime(
                 ctypes.CDLL(str(gomp) if gomp is not None else OPENMP, mode=ctypes.RTLD_GLOBAL)
             except OSError as e:
                 raise LoaderError(f"cannot open the OpenMP runtime ({OPENMP}): {e}") from None
-        key = key or str(shim)
-        if key not in _standalone:
+        if _standalone is None:
             try:
-                _standalone[key] = Shim(ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL), where="the standalone shim")
+                _standalone = Shim(ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL), where="the standalone shim")
             except OSError as e:
                 raise LoaderError(f"{shim}: cannot open the standalone shim ({e})") from None
     warn_once(threading_problems(allowance, threads=count, wait_policy=os.environ.get(WAIT_POLICY_ENV)))
-    return _standalone[key]
+    return _standalone
+
+
+def torch_libraries_loaded(maps: str | os.PathLike = "/proc/self/maps") -> bool:
+    """Whether libtorch_cpu is mapped in this process (torch imported, or its libraries opened)."""
+    try:
+        return "/libtorch_cpu.so" in Path(maps).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
+def expose_libtorch(torch: TorchLibraries) -> None:
+    """Make the loaded libtorch_cpu's symbols global (it is opened RTLD_LOCAL), so that a
+    standalone variant, linked without it, finds its C shim."""
+    try:
+        ctypes.CDLL(str(torch.lib / LIBRARIES[-1]), mode=ctypes.RTLD_GLOBAL | getattr(os, "RTLD_NOLOAD", 0))
+    except OSError as e:
+        raise LoaderError(f"{torch.lib}: cannot make libtorch_cpu's symbols global ({e})") from None
 
 
 def _configure_openmp(allowance, threads: int | None) -> tuple[int, bool]:

@@ -36,7 +36,14 @@ from ..source import Opened, open_artifact
 from ..threads import concurrent_runners
 from ..weights import MappedWeights
 from .capi import NUMPY_DTYPES, CallFailed, Container, Shim
-from .libs import TorchLibraries, find_torch, host_facts, start_runtime_soon, start_standalone_runtime
+from .libs import (
+    TorchLibraries,
+    expose_libtorch,
+    find_torch,
+    host_facts,
+    start_runtime_soon,
+    start_standalone_runtime,
+)
 from .npguards import NUMPY_OPS, ArrayGuard
 from .package import PackageLibrary, extract_library, read_package
 
@@ -256,6 +263,17 @@ class _Runtimes:
                 self._wait = start_runtime_soon(self._libraries, self._threads)
         return self._wait()
 
+    def for_variant(self, opened: Opened, v: Variant, standalone_only: bool) -> Shim:
+        """What runs variant ``v``: the artifact's shim where every variant served is standalone;
+        else torch's libraries for all (a standalone variant's calls bound to libtorch_cpu's shim,
+        made global: one provider of those calls per process)."""
+        if v.shim is not None and standalone_only:
+            return self.standalone(opened, v)
+        runtime = self.torch()
+        if v.shim is not None:
+            expose_libtorch(self._libraries)
+        return runtime
+
     def standalone(self, opened: Opened, v: Variant) -> Shim:
         """The shim a standalone variant names, read once and checked against the manifest's size and
         sha256 as it is copied to a private file, which is opened and removed (what runs is what was
@@ -275,7 +293,7 @@ class _Runtimes:
         try:
             copy = folder / "aoti_shim.so"
             copy.write_bytes(data)
-            return start_standalone_runtime(copy, self._libraries, self._threads, key=entry.sha256)
+            return start_standalone_runtime(copy, self._libraries, self._threads)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -304,6 +322,7 @@ def _opener(
     its constants are inside it, handed them as views of ``weights``' buffer. ``shim`` gives what
     runs it (torch's libraries, waited for once the library is out, or the artifact's shim)."""
     root, manifest = opened.root, opened.manifest
+    standalone_only = all(v.shim is not None for v in variants.values())
 
     def open_one(variant_id: str) -> _Runner:
         v, (package, held) = variants[variant_id], packages[variant_id]
@@ -318,7 +337,7 @@ def _opener(
             if problem is not None:
                 raise _needs_torch(root, v, problem)
             try:
-                runtime = shim.standalone(opened, v) if v.shim is not None else shim.torch()
+                runtime = shim.for_variant(opened, v, standalone_only)
                 container = Container(
                     runtime, library, own_constants=bool(v.embedded_constants), runners=concurrent_runners()
                 )
