@@ -9,9 +9,10 @@ same for the server on each runtime (process start to the first 200 of POST /v2/
     # artifact, KEEP/CASE/model.onnx the same model for ONNX Runtime, which needs the bench extra):
     python -m bench.coldstart_native KEEP/minilm/planned=KEEP/minilm/model.onnx \\
         KEEP/resnet50/planned=KEEP/resnet50/model.onnx --rounds 10 -o coldstart_native.json
-    # and MiniLM standalone (precompile build profiles/bench/minilm_standalone.yaml -o KEEP/minilm/standalone):
+    # and MiniLM standalone (precompile build profiles/bench/minilm_standalone.yaml -o KEEP/minilm/standalone)
+    # beside the same dynamic-only build on torch's libraries (KEEP/minilm/dynamic):
     python -m bench.coldstart_native KEEP/minilm/standalone=KEEP/minilm/model.onnx \\
-        KEEP/minilm/planned=KEEP/minilm/model.onnx --rounds 10 --no-server --per-call 50 -o coldstart_standalone.json
+        KEEP/minilm/dynamic=KEEP/minilm/model.onnx --rounds 10 --no-server --per-call 50 -o coldstart_standalone.json
 
 Methods, alternated round by round so a neighbour's load slows them alike:
 
