@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,7 @@ from loader import constants as C
 from loader.manifest import parse_manifest
 from precompile import standalone
 from precompile.pipeline import build
+from precompile.progress import Progress
 
 from .conftest import write_profile
 
@@ -198,3 +200,37 @@ def test_one_provider_of_the_shim_per_process(artifact, classifier_artifact, tmp
     want = loader.load(artifact)(torch.from_numpy(ids), torch.from_numpy(mask))
     for k, w in enumerate(want):
         np.testing.assert_array_equal(got[f"arr_{k}"], w.numpy())  # the same library on the same libtorch
+
+
+CONVNET = """
+name: gray-standalone
+model: {factory: "tiny:gray_net"}
+inputs: {x: {shape: [batch, 1, height, width], dtype: float32}}
+dims: {batch: {min: 1, max: 2}, height: {min: 8, max: 12}, width: {min: 8, max: 12}}
+plan: {max_specialized: 0}
+compile: {standalone: true}
+check: {random_shapes: 1}
+"""
+
+
+def test_a_variant_that_cannot_be_standalone_is_built_as_usual_and_says_why(tmp_path):
+    """Convolutions have no C++ template: they stay extern kernels, so the variant is
+    compiled the usual way, the manifest says why, and the torch-free loader serves it on torch's
+    libraries (no shim left in the artifact)."""
+    messages = []
+
+    class Notes(Progress):
+        def note(self, text: str) -> None:
+            messages.append(text)
+
+    out = build(write_profile(tmp_path, CONVNET), tmp_path / "artifact", progress=Notes()).path
+    (variant,) = parse_manifest((out / C.MANIFEST_FILE).read_text()).variants
+    assert variant.shim is None
+    assert re.fullmatch(
+        r"its compiled code calls aoti_torch_cpu_\w*convolution\w* of libtorch \(an extern kernel\)",
+        variant.not_standalone,
+    )
+    assert not (out / C.STANDALONE_SHIM).exists()
+    assert any(f"variant {variant.id}: not standalone" in m for m in messages)
+    x = np.random.default_rng(0).standard_normal((2, 1, 10, 9)).astype(np.float32)
+    np.testing.assert_array_equal(loader.load_native(out)(x), loader.load(out)(torch.from_numpy(x)).numpy())
