@@ -68,7 +68,7 @@ import sympy
 import torch
 from torch._inductor.constant_folding import replace_node_with_constant
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch.fx.experimental.symbolic_shapes import has_free_symbols, optimization_hint
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, has_free_symbols, optimization_hint
 
 CONVOLUTION = torch.ops.mkldnn._convolution_pointwise.default
 # Input sizes probed per convolution at most (about 0.5 ms each on a busy 2-core host): ResNet-50's
@@ -88,7 +88,7 @@ class PrepackConvolutions(CustomGraphPass):
                 found = _formats(gm, node, seen)
                 if len(found.groups) == 1 and not found.mixed:
                     _pack(gm, node)
-                elif found.groups and len(found.groups) + bool(found.mixed) > 1 and _bounded(node, found):
+                elif found.groups and len(found.groups) + bool(found.mixed) > 1 and _choosable(node, found):
                     _pick_per_call(gm, node, found)
 
     def uuid(self) -> Any:
@@ -262,10 +262,19 @@ def _pack(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         graph.erase_node(weight)
 
 
-def _bounded(node: torch.fx.Node, found: Layouts) -> bool:
-    """Whether every size ``node``'s input can take at run time lies within the probed ones' least
-    and greatest (a table indexed by sizes past them would be read out of bounds): a dim without a
-    maximum is not (its weight stays plain)."""
+def _choosable(node: torch.fx.Node, found: Layouts) -> bool:
+    """Whether ``node`` can choose its weight per call: its input is channels-last (and not also
+    contiguous), and every size it can take at run time lies within the probed ones' least and
+    greatest; if not, its weight stays plain. A branch of the choice lays out the convolution's
+    output by its input's layout as FX records it, and Inductor may lay a contiguous-looking input
+    out channels-last (Segformer's convolutions on reshaped sequences: its build's check failed,
+    max abs error 1.4e-3); a table indexed past its sizes would be read out of bounds (a dim without
+    a maximum)."""
+    val = node.args[0].meta["val"]
+    if val.dim() != 4 or not guard_or_false(val.is_contiguous(memory_format=torch.channels_last)):
+        return False
+    if guard_or_true(val.is_contiguous()):
+        return False
     sizes = [*(size for group in found.groups for size in group), *found.mixed]
     for d, s in enumerate(node.args[0].meta["val"].shape):
         if isinstance(s, torch.SymInt):
