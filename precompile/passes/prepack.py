@@ -46,6 +46,10 @@ each format oneDNN asks for over the sizes the convolution's input takes over th
 
 Left as they are (plain weights, reordered per call by oneDNN's jitted reorder):
 
+- a convolution whose format varies and whose input is not channels-last (the model's own image,
+  Segformer's reshaped sequences): a branch describes the output by the input's layout as FX
+  records it, and Inductor may lay such an input out otherwise (Segformer's build failed its check
+  with the choice made there);
 - a convolution reading a single channel: with dynamic sizes Inductor gives its output the layout of
   a contiguous input (``mkldnn_ir._prepare_convolution_fusion_create``, PR #121400), and a one-channel
   input is contiguous and channels-last at once, and a packed weight makes oneDNN write channels-last:
