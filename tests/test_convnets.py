@@ -218,6 +218,12 @@ def convolution_weights(package: Path) -> dict[str, tuple[str, bool]]:
 
 def onednn_calls(artifact: Path, precision: str, shapes: list[list[int]], tmp_path: Path):
     """Per (shape, call): the dims of every reorder oneDNN ran; and the outputs, one per shape."""
+    lines, outputs = onednn_reorder_lines(artifact, precision, shapes, tmp_path)
+    return {call: [line.split(",")[-2] for line in found] for call, found in lines.items()}, outputs
+
+
+def onednn_reorder_lines(artifact: Path, precision: str, shapes: list[list[int]], tmp_path: Path):
+    """Per (shape, call): oneDNN's verbose line of every reorder it ran; and the outputs, one per shape."""
     env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     out = tmp_path / f"{precision}.pt"
     run = subprocess.run(
@@ -230,7 +236,7 @@ def onednn_calls(artifact: Path, precision: str, shapes: list[list[int]], tmp_pa
             current = line[4:]
             reorders[current] = []
         elif current and line.startswith("onednn_verbose") and ",exec,cpu,reorder," in line:
-            reorders[current].append(line.split(",")[-2])
+            reorders[current].append(line)
     return reorders, torch.load(out)
 
 
@@ -292,7 +298,7 @@ def test_warm_thread_warms_each_thread_once(gray):
     assert ran["new thread"] == 5  # the fp32 variant's five convolutions, once
 
 
-def test_a_weight_is_packed_only_if_onednn_lays_it_out_alike_at_every_size_of_the_range():
+def test_the_sizes_of_the_range_are_grouped_by_the_layout_onednn_wants_for_them():
     # oneDNN's cost model picks this convolution's blocking by size and thread count: on a 2-core
     # AVX-512 host it wants another layout only at 28² with a batch of 2 to 4, which the range's
     # corners and middle miss. The pass probes every size the input takes.
@@ -308,8 +314,71 @@ def test_a_weight_is_packed_only_if_onednn_lays_it_out_alike_at_every_size_of_th
     def pack(size: list[int]) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_convolution_weight(conv.weight.detach(), [1, 1], [2, 2], [1, 1], 1, size)
 
-    layouts = {prepack.layout(pack(list(size))) for size in every}
-    assert prepack.varies(pack, [list(p) for p in probed]) == (len(layouts) > 1)
+    groups, mixed = prepack.group_by_layout(pack, [list(p) for p in probed])  # at this process's thread count
+    assert not mixed
+    assert groups[0][0] == [2, 128, 32, 32]  # the hint's layout first
+    assert sorted(tuple(size) for group in groups for size in group) == sorted(probed)
+    layouts = [prepack.layout(pack(group[0])) for group in groups]
+    assert len(set(layouts)) == len(groups)
+    for group, want in zip(groups, layouts):
+        assert all(prepack.layout(pack(size)) == want for size in group[:: max(1, len(group) // 50)])
+
+
+LAYOUTS = """
+    name: layouts
+    model: {factory: "tiny:layout_net"}
+    inputs: {x: {shape: [batch, 3, height, width], dtype: float32}}
+    dims: {batch: {min: 1, max: 4}, height: {min: 8, max: 40}, width: {min: 8, max: 40}}
+    plan: {max_specialized: 0}
+    precision: [fp32]
+    accuracy: {metric: cosine, threshold: 0.99, min_speedup: 0}
+    check: {random_shapes: 1}
+"""
+
+
+def test_a_weight_oneDNN_lays_out_differently_across_the_range_is_packed_per_layout_and_never_reordered(tmp_path):
+    model = tiny.layout_net()
+
+    def pack_for(conv: nn.Conv2d, size: list[int]) -> torch.Tensor:
+        w = conv.weight.detach()
+        return torch.ops.mkldnn._reorder_convolution_weight(w, conv.padding, conv.stride, [1, 1], 1, size)
+
+    sizes = [[n, 128, h, w] for n in range(1, 5) for h in range(8, 41, 4) for w in range(8, 41, 4)]
+    assert (
+        len(prepack.group_by_layout(lambda s: pack_for(model.expand, s), sizes).groups) > 1
+    )  # the premise: one packed weight cannot serve it all
+    built = build(write_profile(tmp_path, LAYOUTS), tmp_path / "artifact")
+    (variant,) = built.manifest.variants
+    with zipfile.ZipFile(built.path / "variants" / f"{variant.id}.pt2") as z:
+        (code,) = [z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")]
+    assert "_layout_branch" in code  # the layout is chosen per call (torch.cond, inlined as an if)
+    assert "aoti_torch_cpu_mkldnn__convolution_pointwise_binary(" in code  # the addition and ReLU fused in a branch
+    hint = [variant.hint[d] if isinstance(d, str) else d for d in ("batch", 3, "height", "width")]
+    shapes = [[1, 3, 8, 8], [4, 3, 40, 40], hint, [3, 3, 17, 33], [2, 3, 28, 28], [1, 3, 40, 9], [4, 3, 9, 38]]
+    reorders, outputs = onednn_reorder_lines(built.path, "fp32", shapes, tmp_path)
+    assert len(reorders) == 2 * len(shapes) + 1
+    for shape in shapes:
+        # where one thread and this host's count want different layouts, the plain weight serves (and
+        # is re-laid by the jitted reorder); everywhere else no weight is re-laid
+        mixed = {
+            "x".join(map(str, conv.weight.shape))
+            for conv, size in (
+                (model.stem, shape),
+                (model.expand, [shape[0], 128, *shape[2:]]),
+                (model.head, [shape[0], 512, *shape[2:]]),
+            )  # fmt: skip
+            if prepack.group_by_layout(lambda s: pack_for(conv, s), [size], prepack.probe_threads()).mixed
+        }
+        for call in range(2):
+            lines = reorders[f"{shape} {call}"]
+            sources = {next(f for f in line.split(",") if f.startswith("src:")).split(":")[4] for line in lines}
+            assert sources <= {"abcd"}, lines  # from a plain weight only, never a packed one
+            assert {line.split(",")[-2] for line in lines} == mixed, (shape, call, lines)
+    for shape, got in zip(shapes, outputs):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 class PatchedEncoder(nn.Module):

@@ -16,26 +16,40 @@ reordered per call by oneDNN's generic ``simple:any`` reorder, ~10 ms for a 1024
 slower than the plain weight's jitted one (ResNet-50 fp32 at 1×96², every weight packed for 2×157²:
 914 ms a call on a busy host, against 34 ms eager).
 
-That choice is not monotone in any size (ResNet-50's 128×128 3×3 stride-2 convolution wants the
-other blocking only at 28² with a batch of 2-4; a 512×128 1×1 one flips back and forth along the
-image side), so no split of a range into a few variants makes every convolution's layout agree:
-cut into 16 sub-ranges (each batch × height and width halves), 5-19 of ResNet-50's convolutions
-still vary within one (MobileNetV2: 7-15), and each frozen variant carries its own weights (~100 MB
-for ResNet-50) and compile. The planner therefore does not split for layouts; the convolutions that
-vary keep a plain weight. The layouts are the build host's: those found constant at 2 threads were
-the same at 1 (ResNet-50); a serving host with many more threads than the build's may want others.
+Why the format moves (oneDNN's ``cpu/x64/jit_brgemm_conv_utils.cpp``, ``init_conf``): the brgemm
+convolution tries output-channel blocks of 64, 48, 32 and 16 and keeps the one whose ``est_eff()``
+is highest, an estimate over the batch, the output's height and width, the thread count (``nthr``)
+and the cache sizes; ``pick_tags`` then derives the weight format from that block (``Ohwi64o``,
+``Ohwi48o``, ...), and a weight given in another format makes the kernel refuse the problem
+(``init_tag``: unimplemented), so no setting makes one format serve every size. The choice is not
+monotone in any size (ResNet-50's 128×128 3×3 stride-2 convolution wants the other blocking only at
+28² with a batch of 2-4; a 512×128 1×1 one flips back and forth along the image side), so no split
+of a range into a few variants makes every convolution's layout agree (cut into 16 sub-ranges, 5-19
+of ResNet-50's convolutions still vary within one).
+
+So a convolution whose format varies over its range gets one packed copy of its weight per format
+that occurs (two or three), and the compiled program picks one per call: ``torch.cond`` on a 0-d
+bool read from a build-time table indexed by the convolution's input sizes, which AOTInductor
+inlines as an ``if`` on one byte (``_pick_per_call``). The copies cost their bytes in the package
+(ResNet-50 fp32: see README). The formats are the build host's, probed at one thread and at its
+own count (``probe_threads``: the loader gives a call between the two); at the sizes where those
+want different formats the branch runs on the plain weight (re-laid per call by the jitted reorder,
+as before this pass), never on a packed one in the wrong blocking. A serving host with more threads
+than the build's may want others at some sizes (then oneDNN reorders there).
 
 ``PrepackConvolutions`` is an Inductor ``post_grad_custom_pre_pass`` (it runs after freezing, before
-the fusions): each such convolution whose weight is a frozen constant gets that weight packed for the
-variant's hint shape (the sizes the program was exported with), as a new constant, when oneDNN asks
-for the same format at every size the convolution's input takes over the variant's ranges (all of
-them up to ``MAX_PROBES``, evenly spread past it):
+the fusions): each such convolution whose weight is a frozen constant gets that weight packed for
+each format oneDNN asks for over the sizes the convolution's input takes over the variant's ranges
+(all of them up to ``MAX_PROBES``, evenly spread past it); a single format needs no choice:
 
     configs["post_grad_custom_pre_pass"] = PrepackConvolutions()   # stages.compile, when freezing
 
 Left as they are (plain weights, reordered per call by oneDNN's jitted reorder):
 
-- a convolution whose format varies over those sizes (above);
+- a convolution whose format varies and whose input is not channels-last (the model's own image,
+  Segformer's reshaped sequences): a branch describes the output by the input's layout as FX
+  records it, and Inductor may lay such an input out otherwise (Segformer's build failed its check
+  with the choice made there);
 - a convolution reading a single channel: with dynamic sizes Inductor gives its output the layout of
   a contiguous input (``mkldnn_ir._prepare_convolution_fusion_create``, PR #121400), and a one-channel
   input is contiguous and channels-last at once, and a packed weight makes oneDNN write channels-last:
@@ -47,17 +61,18 @@ Left as they are (plain weights, reordered per call by oneDNN's jitted reorder):
 from __future__ import annotations
 
 import ctypes
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from itertools import product
 from math import prod
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import sympy
 import torch
 from torch._inductor.constant_folding import replace_node_with_constant
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch.fx.experimental.symbolic_shapes import has_free_symbols, optimization_hint
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, has_free_symbols, optimization_hint
 
 CONVOLUTION = torch.ops.mkldnn._convolution_pointwise.default
 # Input sizes probed per convolution at most (about 0.5 ms each on a busy 2-core host): ResNet-50's
@@ -66,55 +81,92 @@ MAX_PROBES = 8192
 
 
 class PrepackConvolutions(CustomGraphPass):
-    """Pack the frozen weight of every dynamic-size convolution for the hint shape (module docstring)."""
+    """Pack the frozen weight of every dynamic-size convolution, once per format oneDNN wants over the
+    range, and choose among the copies per call where there are several (module docstring)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
-        seen: dict[tuple[Any, ...], bool] = {}  # a network's repeated blocks ask the same question
+        seen: dict[tuple[Any, ...], Layouts] = {}  # a network's repeated blocks ask the same question
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target is CONVOLUTION:
-                if _left_because(gm, node, seen) is None:
+                found = _formats(gm, node, seen)
+                if len(found.groups) == 1 and not found.mixed:
                     _pack(gm, node)
+                elif found.groups and len(found.groups) + bool(found.mixed) > 1 and _choosable(node, found):
+                    _pick_per_call(gm, node, found)
 
     def uuid(self) -> Any:
         return get_hash_for_files((__file__,))  # Inductor's cache keys on this: a change here recompiles
 
 
-def _left_because(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: dict[tuple[Any, ...], bool]) -> str | None:
-    """Why ``node``'s weight stays as it is, or None when it gets packed. ``seen``: whether the format
-    varies, per convolution already probed in this graph (the layout depends on the weight's shape
-    and dtype, the convolution's arguments and the input's sizes, never on the weight's values)."""
+def _formats(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: dict[tuple[Any, ...], Layouts]) -> Layouts:
+    """The input sizes of ``node`` by the weight format oneDNN wants for them (``Layouts``; one group
+    and nothing mixed: one packed weight serves them all); none when the weight stays as it is
+    (static: Inductor packed it; not a frozen constant; one input channel, module docstring).
+    ``seen``: the layouts per convolution already probed in this graph (the format depends on the
+    weight's shape and dtype, the convolution's arguments and the input's sizes, never on the
+    weight's values)."""
     x, weight = node.args[0], node.args[1]
     val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor) or not has_free_symbols(val.shape):
-        return "static"  # packed by Inductor already
+        return NONE  # packed by Inductor already
     if not isinstance(weight, torch.fx.Node) or weight.op != "get_attr":
-        return "not a constant"
+        return NONE
     w = attrgetter(weight.target)(gm)
     if not isinstance(w, torch.Tensor) or w.is_mkldnn or w.device.type != "cpu":
-        return "not a constant"
+        return NONE
     groups = node.args[6]
     if w.size(1) * groups == 1:
-        return "one input channel"
+        return NONE
     key = (tuple(w.shape), w.dtype, *map(str, node.args[3:7]), *(str(s) for s in val.shape))
     if key not in seen:
-        seen[key] = varies(lambda size: _reorder(w, node, size), probe_sizes(val.shape))
-    if seen[key]:
-        return "format varies with the size"
-    return None
+        seen[key] = group_by_layout(lambda size: _reorder(w, node, size), probe_sizes(val.shape), probe_threads())
+    return seen[key]
 
 
-def varies(pack: Callable[[list[int]], torch.Tensor], sizes: Iterable[list[int]]) -> bool:
-    """Whether ``pack`` lays a weight out differently for any of ``sizes`` (stops at the first that
-    differs from the first size's)."""
-    first = None
-    for size in sizes:
-        bytes_ = layout(pack(size))
-        if first is None:
-            first = bytes_
-        elif bytes_ != first:
-            return True
-    return False
+class Layouts(NamedTuple):
+    """A convolution's input sizes by the weight format oneDNN wants for them: ``groups``, one per
+    format, in the order first met (the hint's first), at every thread count probed alike; ``mixed``:
+    the sizes where the thread counts want different formats (a packed weight would be re-laid
+    blocked to blocked, oneDNN's slow ``simple:any`` reorder, at one of them: they run on the plain
+    weight, re-laid by the jitted reorder)."""
+
+    groups: list[list[list[int]]]
+    mixed: list[list[int]]
+
+
+NONE = Layouts([], [])
+
+
+def group_by_layout(
+    pack: Callable[[list[int]], torch.Tensor], sizes: Iterable[list[int]], threads: Iterable[int] = ()
+) -> Layouts:
+    """``sizes`` grouped by how ``pack`` lays a weight out for them at each of ``threads`` (OpenMP
+    thread counts, as oneDNN's choice depends on them; none: the current count only)."""
+    sizes = list(sizes)
+    threads = list(threads)
+    before = torch.get_num_threads()
+    keys: list[tuple[bytes, ...]] = [() for _ in sizes]
+    try:
+        for t in threads or [before]:
+            torch.set_num_threads(t)
+            keys = [(*key, layout(pack(size))) for key, size in zip(keys, sizes)]
+    finally:
+        torch.set_num_threads(before)
+    groups: dict[bytes, list[list[int]]] = {}
+    mixed = []
+    for key, size in zip(keys, sizes):
+        if len(set(key)) == 1:
+            groups.setdefault(key[0], []).append(size)
+        else:
+            mixed.append(size)
+    return Layouts(list(groups.values()), mixed)
+
+
+def probe_threads() -> list[int]:
+    """The OpenMP thread counts a variant is probed at: one (each of several calls at once) and this
+    host's count (a lone call), as the loader sizes a call's team between them."""
+    return sorted({1, torch.get_num_threads()})
 
 
 def probe_sizes(shape: Any) -> Iterator[list[int]]:
@@ -212,3 +264,231 @@ def _pack(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     replace_node_with_constant(gm, pack, packed)
     if not weight.users:
         graph.erase_node(weight)
+
+
+def _choosable(node: torch.fx.Node, found: Layouts) -> bool:
+    """Whether ``node`` can choose its weight per call: its input is channels-last (and not also
+    contiguous), and every size it can take at run time lies within the probed ones' least and
+    greatest; if not, its weight stays plain. A branch of the choice lays out the convolution's
+    output by its input's layout as FX records it, and Inductor may lay a contiguous-looking input
+    out channels-last (Segformer's convolutions on reshaped sequences: its build's check failed,
+    max abs error 1.4e-3); a table indexed past its sizes would be read out of bounds (a dim without
+    a maximum)."""
+    val = node.args[0].meta["val"]
+    if val.dim() != 4 or not guard_or_false(val.is_contiguous(memory_format=torch.channels_last)):
+        return False
+    if guard_or_true(val.is_contiguous()):
+        return False
+    sizes = [*(size for group in found.groups for size in group), *found.mixed]
+    for d, s in enumerate(node.args[0].meta["val"].shape):
+        if isinstance(s, torch.SymInt):
+            r = s.node.shape_env.bound_sympy(s.node.expr)
+            if not (r.lower.is_finite and r.upper.is_finite):
+                return False
+            if int(r.lower) < min(size[d] for size in sizes) or int(r.upper) > max(size[d] for size in sizes):
+                return False
+    return True
+
+
+def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts) -> None:
+    """Replace ``node`` by one copy of its weight per format in ``formats`` and a choice among them at
+    each call: ``torch.cond`` on a 0-d bool read from a build-time table indexed by the convolution's
+    input sizes (AOTInductor inlines each branch in its C++: an ``if`` on a table byte per call).
+    The mixed sizes (``Layouts``) take the plain weight; those the probes skipped (past
+    ``MAX_PROBES``) the first group's format. A ReLU, or an addition and
+    a ReLU, that Inductor would fuse into the convolution are fused into each branch (the fusion
+    patterns run after this pass and cannot see into a branch)."""
+    graph = gm.graph
+    x, weight, bias = node.args[:3]
+    val = x.meta["val"]
+    formats = [*found.groups, found.mixed] if found.mixed else found.groups
+    dims = [d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt)]
+    sizes = [size for group in formats for size in group]
+    low = [min(size[d] for size in sizes) for d in dims]
+    extent = [max(size[d] for size in sizes) - lo + 1 for d, lo in zip(dims, low)]
+    choice = torch.zeros(extent, dtype=torch.int8)  # the format's index per size; 0 (the hint's) unprobed
+    for k, group in enumerate(formats):
+        for size in group:
+            choice[tuple(size[d] - lo for d, lo in zip(dims, low))] = k
+    other, unary, last = _epilogue(node)
+    w = attrgetter(weight.target)(gm)
+    with graph.inserting_before(last):  # after the addend, which may come after the convolution
+        packed = [_constant(gm, last, _reorder(w, node, group[0]), weight.meta.get("val")) for group in found.groups]
+        if found.mixed:
+            packed.append(weight)
+        index = [graph.call_function(operator.sub, (_sym_size(graph, x, d), lo)) for d, lo in zip(dims, low)]
+        for n, d, lo in zip(index, dims, low):
+            n.meta["val"] = val.shape[d] - lo
+        predicates = []
+        for k in range(len(formats) - 1):
+            table = (choice == k).contiguous()
+            p = _constant(gm, last, table, val.fake_mode.from_tensor(table))
+            for i in index:
+                p_val = p.meta["val"].select(0, i.meta["val"])
+                p = graph.call_function(torch.ops.aten.select.int, (p, 0, i))
+                p.meta["val"] = p_val
+            predicates.append(p)
+        tensors = [t for t in (x, other, bias) if isinstance(t, torch.fx.Node)]
+        operands = (*tensors, *packed, *predicates[1:])
+        call = _conv_call(node, other, unary, len(tensors))
+        out_val = last.meta["val"]
+        branches = _branches(gm, graph, [o.meta["val"] for o in operands], call, 0, len(formats), out_val)
+        cond = graph.call_function(torch.ops.higher_order.cond, (predicates[0], *branches, operands))
+        cond.meta["val"] = [out_val]
+        out = graph.call_function(operator.getitem, (cond, 0))
+    out.meta.update(last.meta)
+    last.replace_all_uses_with(out)
+    for n in _chain(node, last)[::-1]:
+        graph.erase_node(n)
+    if not weight.users:
+        graph.erase_node(weight)
+
+
+def _epilogue(node: torch.fx.Node) -> tuple[torch.fx.Node | None, str, torch.fx.Node]:
+    """What Inductor's fusion would fold into ``node`` (the convolution): the addend of an addition
+    that is its only user (same shape, no broadcast), and "relu" when a ReLU is the only user after
+    it; and the last node folded in."""
+    other, unary, last = None, "none", node
+    (user,) = node.users if len(node.users) == 1 else (None,)
+    if user is not None and user.target is torch.ops.aten.add.Tensor and len(user.args) == 2 and not user.kwargs:
+        addend = user.args[1] if user.args[0] is node else user.args[0]
+        if (
+            isinstance(addend, torch.fx.Node)
+            and addend is not node
+            and addend.meta.get("val") is not None
+            and addend.meta["val"].shape == node.meta["val"].shape
+            and addend.meta["val"].dtype == node.meta["val"].dtype
+        ):
+            other, last = addend, user
+            (user,) = user.users if len(user.users) == 1 else (None,)
+    if user is not None and user.target is torch.ops.aten.relu.default:
+        unary, last = "relu", user
+    return other, unary, last
+
+
+def _chain(first: torch.fx.Node, last: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes from ``first`` to ``last``, each the only user of the one before."""
+    nodes = [first]
+    while nodes[-1] is not last:
+        (nodes_next,) = nodes[-1].users
+        nodes.append(nodes_next)
+    return nodes
+
+
+def _conv_call(
+    node: torch.fx.Node, other: torch.fx.Node | None, unary: str, n_tensors: int
+) -> Callable[[list[torch.fx.Node], int], tuple[Any, tuple[Any, ...]]]:
+    """How a branch calls the convolution, its epilogue fused, on its placeholders (the input, the
+    addend if any, the bias if any, the weights) with weight ``k``: the target and the arguments."""
+    _, _, bias, padding, stride, dilation, groups, attr, scalars, algorithm = node.args
+    if unary != "none" and attr != "none":
+        raise AssertionError(f"{node}: a convolution fused already, before the fusion passes")
+
+    def call(places: list[torch.fx.Node], k: int) -> tuple[Any, tuple[Any, ...]]:
+        x, w = places[0], places[n_tensors + k]
+        b = places[n_tensors - 1] if bias is not None else None
+        if other is None:
+            return CONVOLUTION, (
+                x,
+                w,
+                b,
+                padding,
+                stride,
+                dilation,
+                groups,
+                unary if unary != "none" else attr,
+                scalars,
+                algorithm,
+            )
+        return _add_fused, (
+            x,
+            places[1],
+            w,
+            b,
+            padding,
+            stride,
+            dilation,
+            groups,
+            "add",
+            None,
+            None if unary == "none" else unary,
+            [],
+            "",
+        )
+
+    return call
+
+
+def _branches(
+    owner: torch.fx.GraphModule,
+    graph: torch.fx.Graph,
+    values: list[Any],
+    call: Callable[[list[torch.fx.Node], int], tuple[Any, tuple[Any, ...]]],
+    k: int,
+    n: int,
+    out: Any,
+) -> list[torch.fx.Node]:
+    """``graph``'s get_attr nodes (submodules of ``owner``) of a cond's two branches: the convolution
+    with format ``k``, and one with a later format (a cond nested on the next predicate, past the
+    ``n`` weights in the operands ``values``, or the last format)."""
+    made = []
+    for later in (False, True):
+        module = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+        g = module.graph
+        places = [g.placeholder(f"arg{i}") for i in range(len(values))]
+        for p, v in zip(places, values):
+            p.meta["val"] = v
+        if not later or k + 2 == n:
+            target, args = call(places, k + later)
+            result = g.call_function(target, args)
+        else:
+            inner = _branches(module, g, values, call, k + 1, n, out)
+            n_tensors = len(values) - n - (n - 2)
+            cond = g.call_function(torch.ops.higher_order.cond, (places[n_tensors + n + k], *inner, tuple(places)))
+            cond.meta["val"] = [out]
+            result = g.call_function(operator.getitem, (cond, 0))
+        result.meta["val"] = out
+        g.output((result,))
+        module.recompile()
+        name = _free_name(owner, "_layout_branch")
+        owner.register_module(name, module)
+        made.append(graph.create_node("get_attr", name))
+    return made
+
+
+def _free_name(module: torch.nn.Module, prefix: str) -> str:
+    i = 0
+    while hasattr(module, f"{prefix}{i}"):
+        i += 1
+    return f"{prefix}{i}"
+
+
+def _sym_size(graph: torch.fx.Graph, x: torch.fx.Node, d: int) -> torch.fx.Node:
+    size = graph.call_function(torch.ops.aten.sym_size.int, (x, d))
+    size.meta["val"] = x.meta["val"].shape[d]
+    return size
+
+
+def _constant(gm: torch.fx.GraphModule, before: torch.fx.Node, value: torch.Tensor, val: Any) -> torch.fx.Node:
+    """``value`` as a frozen constant of ``gm``, read before ``before`` (with the helper freezing
+    turns a folded value into a constant with, private to Inductor)."""
+    with gm.graph.inserting_before(before):
+        stub = gm.graph.call_function(torch.ops.aten.empty.memory_format, ([0],))  # replaced at once
+    stub.meta["val"] = val
+    replace_node_with_constant(gm, stub, value)
+    return before.prev
+
+
+def _add_fused(*args: Any) -> Any:
+    """``mkldnn._convolution_pointwise.binary`` lowered by Inductor when the branch is: the op has no
+    fake kernel for the FX passes after this one to run on, and Inductor's own fused nodes are such
+    pass-through lowerings (``pattern_matcher.register_lowering_pattern``), private to Inductor."""
+    from torch._inductor.lowering import lowerings  # Inductor's lowering table, filled once it is imported
+
+    x, _, w, b, padding, stride, dilation, groups = args[:8]
+    if isinstance(x, torch.Tensor):  # cond run on fake tensors (the FX passes' metadata): the unfused shape
+        return CONVOLUTION(x, w, b, padding, stride, dilation, groups, "none", [], "")
+    return lowerings[torch.ops.mkldnn._convolution_pointwise.binary](*args)
+
+
+_add_fused._inductor_lowering_function = True  # type: ignore[attr-defined]

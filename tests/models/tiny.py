@@ -247,3 +247,25 @@ class GrayNet(nn.Module):
 
 def gray_net() -> nn.Module:
     return GrayNet().eval()
+
+
+class LayoutNet(nn.Module):
+    """A convnet whose 1×1 expansion oneDNN packs in two layouts over batch 1-4 and 8-40² images (on an
+    AVX-512 host: ``Acdb64a`` at some sizes, ``Acdb48a``/``Acdb32a`` at others), each followed by
+    what Inductor fuses into a convolution: a ReLU, an addition and a ReLU (the prepacking tests)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 128, 3, padding=1)
+        self.expand = nn.Conv2d(128, 512, 1)
+        self.skip = nn.Conv2d(128, 512, 1, bias=False)
+        self.head = nn.Conv2d(512, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        return self.head(torch.relu(self.expand(h) + self.skip(h)))
+
+
+def layout_net() -> nn.Module:
+    return LayoutNet().eval()
