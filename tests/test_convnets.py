@@ -332,3 +332,18 @@ def test_a_convnet_compiles_frozen_unless_its_profile_says_otherwise():
     assert "freezing" not in with_kind_defaults(unit_options({}), "other")
     assert with_kind_defaults(unit_options({"freezing": False}), "convnet")["freezing"] is False
     assert with_kind_defaults(unit_options({}, isa="x86-64-v3"), "convnet")["freezing"] is False  # portable: unfrozen
+
+
+def test_the_first_call_bench_sets_each_unseen_shape_against_its_steady_call(gray):
+    from bench import firstcall
+
+    rows = firstcall.measure([gray.path], shapes=2, repeat=3)  # in a fresh process, as a server loads it
+    hints = {v.id: v.hint for v in gray.manifest.variants if v.kind == "dynamic"}
+    assert rows and all("failed" not in r for r in rows)
+    assert {r["variant"] for r in rows} <= set(hints) and len(rows) == 2 * len({r["variant"] for r in rows})
+    for r in rows:  # shapes the load's warm-up never met
+        assert r["dims"] != hints[r["variant"]] and r["ratio"] == pytest.approx(r["first_ms"] / r["steady_ms"])
+    (name,) = firstcall.per_artifact(rows)
+    said = firstcall.per_artifact(rows)[name]
+    assert said["shapes"] == len(rows) and said["worst"] == max(r["ratio"] for r in rows)
+    assert name in firstcall.summary(rows) and f"{said['worst']:.2f}×" in firstcall.summary(rows)
