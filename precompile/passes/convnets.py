@@ -162,8 +162,8 @@ def _pixel_convs_as_linear(gm: torch.fx.GraphModule) -> list[Rewrite]:
 
 def _pixel_conv(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[Any, Any, Any] | None:
     """``(input, weight, bias)`` of a 2-d convolution that is a dense layer over the channels: a 1×1
-    kernel, no padding, stride, dilation or groups, not transposed, and an input of one pixel at every
-    size the graph serves; else None."""
+    kernel, no padding, stride, dilation or groups, not transposed, a weight that is the model's own
+    tensor, and an input of one pixel at every size the graph serves; else None."""
     bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
     if bound is None:
         return None
@@ -173,6 +173,8 @@ def _pixel_conv(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[Any, Any
     if not all(isinstance(v, torch.Tensor) and v.dim() == 4 for v in vals):
         return None
     xv, wv = vals
+    if weight.op not in ("placeholder", "get_attr"):
+        return None  # a quantized weight (dequantized in the graph): Inductor's int8 patterns want the conv
     if kw.get("transposed", False) or kw.get("groups", 1) != 1 or tuple(wv.shape[2:]) != (1, 1):
         return None
     ones = [list(kw.get(k, d)) if isinstance(kw.get(k, d), (list, tuple)) else [kw.get(k, d)] for k, d in
