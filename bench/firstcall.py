@@ -2,6 +2,8 @@
 
     .venv/bin/python -m bench.firstcall ARTIFACT [ARTIFACT ...] [--shapes 3] [--repeat 20] [--out firstcall.json]
 
+Prints one row per shape, then one line per artifact (``summary``): the median and worst ratio.
+
 Each artifact is loaded in a fresh process, as a server loads it (``loader.load``: every variant warmed
 up on its hint shape). Then, for each dynamic variant, ``--shapes`` shapes drawn inside its ranges
 (none of them the hint): the first call's time, then the median of ``--repeat`` calls of the same
@@ -106,6 +108,36 @@ def report(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def per_artifact(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per artifact (by its folder's name): its shapes' median and worst first/steady ratio, and
+    whether the worst meets ``TARGET``; an artifact that failed says so."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(Path(r["artifact"]).name for r in rows):
+        mine = [r for r in rows if Path(r["artifact"]).name == name]
+        ratios = [r["ratio"] for r in mine if "failed" not in r]
+        if not ratios:
+            out[name] = {"failed": mine[0].get("failed", ["no dynamic variant"])[0]}
+            continue
+        worst = max(ratios)
+        out[name] = {"shapes": len(ratios), "median": statistics.median(ratios), "worst": worst, "met": worst <= TARGET}
+    return out
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """One line per artifact: the first call against the steady one over its unseen shapes."""
+    lines = []
+    for name, s in per_artifact(rows).items():
+        if "failed" in s:
+            lines.append(f"{name}: first call not measured: {s['failed']}")
+            continue
+        verdict = "met" if s["met"] else "not met"
+        lines.append(
+            f"{name}: first call {s['median']:.2f}× the steady one (median of {s['shapes']} unseen shapes), "
+            f"worst {s['worst']:.2f}×: target ≤ {TARGET}× {verdict}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     import loader  # noqa: F401  before torch: OpenMP's wait policy, oneDNN's cache sizes
 
@@ -121,6 +153,7 @@ def main() -> None:
         return
     rows = measure(args.artifacts, shapes=args.shapes, repeat=args.repeat)
     print(report(rows))
+    print(summary(rows))
     if args.out:
         args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
 

@@ -201,7 +201,7 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None],
         log(f"  {sizes}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "dims"))
     totals = {label: sum(r[label] for r in rows if label in r) for label in methods}
     first = firstcall.measure([result.path], shapes=2, repeat=max(3, int(10 * seconds)))
-    log(firstcall.report(first))
+    log(firstcall.report(first) + "\n" + firstcall.summary(first))
     return {
         "model": name,
         "build_seconds": built.build_seconds,
@@ -301,6 +301,7 @@ def summary(results: list[dict[str, Any]]) -> str:
             lines.append(f"  {label:<28} {total:9.1f} ms  {ratio}   max rel. error {err:.1e}")
         for label, why in r["failed_methods"].items():
             lines.append(f"  {label:<28} failed: {why}")
+        lines.append("  " + firstcall.summary(r["first_call"]))
     return "\n".join(lines)
 
 

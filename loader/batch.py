@@ -51,6 +51,7 @@ outputs ``loader.batch_tensors``'s.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +64,9 @@ from .batch_tensors import NotBatched, join_inputs, split_outputs
 from .dispatch import ServedModel
 from .errors import LoaderError
 from .live import Live, Serving
+
+log = logging.getLogger("loader")
+_EACH = object()  # what _next_batch returns when on_each gave a function a worker has not run yet
 
 # Upper bounds (ms) of the queue-wait histogram's buckets; the last bucket is everything above.
 # The results of one batch are set inside a burst (``_together``): a done-callback that would wake
@@ -143,6 +147,8 @@ class Batcher:
 
     - ``on_batch(size, waits)``: called after each batch ran, with its size (padding included) and
       each call's queue wait in seconds (for a server's metrics).
+    - ``on_each(fn)``: every worker runs ``fn()`` before its next batch, once per team size it runs
+      batches with (a newly loaded model's ``warmup``; see ``on_each``).
 
     ``submit(...)`` returns a Future of ``(outputs, variant, serving)`` (``serving`` is None for a
     plain model); cancelling it before its batch runs drops the call. ``batcher(...)`` waits and
@@ -183,6 +189,7 @@ class Batcher:
         self.threads = threads
         self._team = team
         self._plans: dict[int, tuple[ServedModel, BatchPlan]] = {}
+        self._each: tuple[int, Callable[[], Any] | None] = (0, None)  # (generation, fn) for on_each
         self._stats_lock = threading.Lock()
         self.reset_stats()
         self._workers = [
@@ -232,15 +239,32 @@ class Batcher:
 
     # --- the worker ----------------------------------------------------------------------------
 
+    def on_each(self, fn: Callable[[], Any]) -> None:
+        """Have every worker run ``fn()`` before its next batch, once with each team size it runs
+        batches with (all of ``threads`` alone, its share beside others): a newly loaded model's
+        ``warmup``: ideep plans each convolution or matmul per calling thread, and oneDNN compiles
+        its kernels per thread count, so a worker's first batch would otherwise pay both (MobileNetV2
+        at its hint: 39 of 72 oneDNN kernels compiled again at 1 thread after a warm-up at 2). Replaces
+        an earlier ``fn`` not yet run; its failures are logged, and the batches then say why."""
+        with self._cond:
+            self._each = (self._each[0] + 1, fn)
+            self._cond.notify_all()
+
     def _loop(self) -> None:
-        team = 0  # this worker's OpenMP team size as last set (0: not set yet)
+        team, seen = 0, 0  # this worker's OpenMP team size as last set (0: not set yet); on_each's generation
         while True:
             with self._cond:
-                batch = self._next_batch()
+                batch = self._next_batch(seen)
                 if batch is None:
                     return
-                self._running += 1
-                alone = self._running == 1 and not self._queue
+                if batch is _EACH:
+                    seen, each = self._each[0], self._each[1]
+                else:
+                    self._running += 1
+                    alone = self._running == 1 and not self._queue
+            if batch is _EACH:
+                team = self._run_each(each, team)
+                continue
             size = self.threads if alone else max(1, self.threads // self.instances)
             if self._team is not None and size != team and self._team(size):
                 team = size
@@ -251,12 +275,28 @@ class Batcher:
                 with self._cond:
                     self._running -= 1
 
-    def _next_batch(self) -> list[_Call] | None:
+    def _run_each(self, each: Callable[[], Any] | None, team: int) -> int:
+        """``each()`` at every team size this worker runs batches with; the team size left set."""
+        sizes = dict.fromkeys((max(1, self.threads // self.instances), self.threads))
+        for size in sizes if self._team is not None else (None,):
+            if size is not None and size != team and self._team(size):
+                team = size
+            try:
+                if each is not None:
+                    each()
+            except Exception:  # noqa: BLE001: a warm-up that fails leaves the batches to say why
+                log.warning("a batch worker could not warm up", exc_info=True)
+        return team
+
+    def _next_batch(self, seen: int = 0) -> list[_Call] | object | None:
         """Wait (holding ``_cond``) for calls and take the next batch (empty when every call of it was
-        cancelled); None once closed with nothing queued."""
+        cancelled); ``_EACH`` when ``on_each`` gave a function newer than generation ``seen``; None
+        once closed with nothing queued."""
         while True:
-            while not self._queue and not self._closed:
+            while not self._queue and not self._closed and self._each[0] == seen:
                 self._cond.wait()
+            if self._each[0] != seen and not self._closed:
+                return _EACH
             if not self._queue:
                 return None
             first = self._queue[0]

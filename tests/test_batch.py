@@ -213,3 +213,30 @@ def test_instances_run_a_batch_while_another_is_running(classifier):
         torch.testing.assert_close(first.result(timeout=WAIT)[0], classifier(*call_inputs(1, seq=4)))
     (held, alone), (other, beside) = teams
     assert held != other and (alone, beside) == (2, 1)
+
+
+def test_on_each_warms_every_worker_at_every_team_size_before_its_next_batch(classifier):
+    """A newly loaded model's warm-up runs in each worker thread, once per team size the worker runs
+    batches with (oneDNN compiles per thread count, ideep plans per calling thread), before a batch."""
+    events, lock = [], threading.Lock()
+    sizes = threading.local()
+
+    def team(size: int) -> bool:
+        sizes.now = size
+        return True
+
+    def warm() -> None:
+        classifier.warmup()
+        with lock:
+            events.append(("warm", threading.current_thread().name, sizes.now))
+
+    with loader.Batcher(classifier, max_batch=1, instances=2, threads=2, team=team) as batcher:
+        batcher.on_each(warm)
+        deadline = time.monotonic() + WAIT
+        while len(events) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        got = batcher.submit(*call_inputs(3, seq=4)).result(timeout=WAIT)[0]
+    torch.testing.assert_close(got, classifier(*call_inputs(3, seq=4)))
+    workers = {name for _, name, _ in events}
+    assert len(workers) == 2 and all(name.startswith("precompile-batcher-") for name in workers)
+    assert sorted((name, size) for _, name, size in events) == sorted((w, s) for w in workers for s in (1, 2))

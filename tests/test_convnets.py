@@ -61,6 +61,8 @@ def test_efficientnet_pools_with_a_mean_over_any_image_size(tmp_path):
     kernels = set(re.findall(r"void\s+(cpp_fused_\w+)\(", generated_code(artifact)))
     assert kernels and not [k for k in kernels if "avg_pool2d" in k]  # no loop over the 64×64 window
     assert [k for k in kernels if "mean" in k]
+    # Squeeze-and-excite's convolutions over the pooled pixel run as dense layers (beside the classifier's).
+    assert generated_code(artifact).count("aoti_torch_cpu__linear_pointwise(") > 1
     matches_eager(artifact, hf_tiny.efficientnet(), (2, 3, 41, 77))
 
 
@@ -401,3 +403,42 @@ def test_a_convnet_compiles_frozen_unless_its_profile_says_otherwise():
     assert "freezing" not in with_kind_defaults(unit_options({}), "other")
     assert with_kind_defaults(unit_options({"freezing": False}), "convnet")["freezing"] is False
     assert with_kind_defaults(unit_options({}, isa="x86-64-v3"), "convnet")["freezing"] is False  # portable: unfrozen
+
+
+def test_the_first_call_bench_sets_each_unseen_shape_against_its_steady_call(gray):
+    from bench import firstcall
+
+    rows = firstcall.measure([gray.path], shapes=2, repeat=3)  # in a fresh process, as a server loads it
+    hints = {v.id: v.hint for v in gray.manifest.variants if v.kind == "dynamic"}
+    assert rows and all("failed" not in r for r in rows)
+    assert {r["variant"] for r in rows} <= set(hints) and len(rows) == 2 * len({r["variant"] for r in rows})
+    for r in rows:  # shapes the load's warm-up never met
+        assert r["dims"] != hints[r["variant"]] and r["ratio"] == pytest.approx(r["first_ms"] / r["steady_ms"])
+    (name,) = firstcall.per_artifact(rows)
+    said = firstcall.per_artifact(rows)[name]
+    assert said["shapes"] == len(rows) and said["worst"] == max(r["ratio"] for r in rows)
+    assert name in firstcall.summary(rows) and f"{said['worst']:.2f}×" in firstcall.summary(rows)
+
+
+def test_a_one_pixel_convolution_becomes_a_dense_layer_and_computes_the_same():
+    dims = {0: torch.export.Dim("batch", min=1, max=4), 2: torch.export.Dim("height", min=8, max=64),
+            3: torch.export.Dim("width", min=8, max=64)}  # fmt: skip
+    model = tiny.excite_net()
+    ep = export(model, torch.randn(2, 3, 20, 24), dims)
+    done = convnets.rewrite(ep)
+    assert sorted(r.kind for r in done) == ["pixel_conv_as_linear"] * 2  # squeeze-excite's two, not the others
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.linear.default) == 2
+    assert sum(t in convnets.CONVOLUTIONS or getattr(t, "overloadpacket", None) in convnets.CONVOLUTIONS
+               for t in targets) == 3  # fmt: skip
+    for shape in ((1, 3, 8, 8), (3, 3, 37, 64)):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_convolution_over_more_than_one_pixel_stays_a_convolution():
+    dims = {0: torch.export.Dim("batch", min=1, max=4), 2: torch.export.Dim("height", min=1, max=8),
+            3: torch.export.Dim("width", min=1, max=8)}  # fmt: skip
+    ep = export(nn.Conv2d(4, 6, 1).eval(), torch.randn(2, 4, 3, 3), dims)  # one pixel at some sizes only
+    assert convnets.rewrite(ep) == []

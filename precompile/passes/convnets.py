@@ -1,10 +1,10 @@
 """Convolutional models that torch 2.13's Inductor compiles into pathological code, or not at all.
 
-Two rewrites of the exported graph, each exact (eager computes the same values either way), applied
+Three rewrites of the exported graph, each exact (eager computes the same values either way), applied
 to every package just before AOTInductor compiles it, and a translation of the lowering failure the
-second one avoids, should it show up elsewhere:
+last one avoids, should it show up elsewhere:
 
-    done = rewrite(ep)                      # [Rewrite("global_avg_pool", ...), Rewrite("copy_conv_input", ...)]
+    done = rewrite(ep)                      # [Rewrite("global_avg_pool", ...), Rewrite("pixel_conv_as_linear", ...)]
     model_kind(ep)                          # "convnet": what options.KIND_DEFAULTS compiles it with
     message = explain_failure(e, ep, [["batch", 3, "height", "width"]])   # None if not a lowering failure
 
@@ -14,6 +14,13 @@ second one avoids, should it show up elsewhere:
   steps per channel, which made EfficientNet-B0 17-39× slower than eager (eager clips the window to the
   input), static or dynamic sizes alike. Where the window provably covers the whole input, the pool is a
   ``mean`` over the two spatial axes. docs/upstream/inductor-efficientnet-dynamic.md
+- **A convolution over a single pixel.** Squeeze-and-excite blocks (EfficientNet, RegNet-Y) pool the
+  map to N×C×1×1 and run two 1×1 convolutions on it. oneDNN runs such a convolution on blocked
+  activations: EfficientNet-B0's ten reduce convolutions (``jit_1x1``) each cost three reorders per
+  call (the pooled input and the result to and from ``nChw16c``, and the weight), 30 of its 123 oneDNN
+  primitives at 1×96², each with its fixed cost. Where the input is provably one pixel, a 1×1
+  convolution with no padding, stride or groups is the dense layer it is: ``linear`` on the channels
+  (Inductor packs its weight for the batch hint), the two unit axes put back after.
 - **A convolution reading a view whose strides are sums of floor divisions.** Segformer turns tokens
   back into an image with ``x.transpose(1, 2).reshape(b, c, h, w)`` where ``h = (height - 1) // 4 + 1``;
   the view's strides hold ``h * w`` expanded into a sum, and Inductor's stride-order check on them
@@ -46,6 +53,10 @@ CONVOLUTIONS = {
 # Dense layers and matrix products, against which convolutions are counted (``model_kind``).
 PRODUCTS = {aten.linear, aten.addmm, aten.mm, aten.bmm, aten.matmul, aten.baddbmm}
 
+# The 2-d convolutions a single-pixel one is looked for among (``conv2d.padding``: transformers'
+# EfficientNet writes ``padding="same"``, which for a 1×1 kernel is no padding).
+PIXEL_CONVOLUTIONS = (aten.conv2d.default, aten.conv2d.padding, aten.convolution.default)
+
 UPSTREAM_SEGFORMER = "docs/upstream/inductor-segformer-dynamic.md"
 
 # What a replacement node keeps of the node it replaces: its value (shape, dtype) and where it came from.
@@ -76,9 +87,9 @@ def model_kind(ep: ExportedProgram) -> str:
 
 
 def rewrite(ep: ExportedProgram) -> list[Rewrite]:
-    """Apply both rewrites to ``ep``'s graph in place; what was changed, in graph order."""
+    """Apply the rewrites to ``ep``'s graph in place; what was changed, in graph order."""
     gm = ep.graph_module
-    done = _global_avg_pools(gm) + _copy_conv_inputs(gm)
+    done = _global_avg_pools(gm) + _pixel_convs_as_linear(gm) + _copy_conv_inputs(gm)
     if done:
         gm.graph.lint()
         gm.recompile()
@@ -116,6 +127,65 @@ def _covers_input(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return all(statically_known_true(size == 1) for size in out.shape[-2:]) and all(
         statically_known_true(size <= k) for size, k in zip(x.shape[-2:], kernel)
     )
+
+
+def _pixel_convs_as_linear(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in PIXEL_CONVOLUTIONS:
+            continue
+        parts = _pixel_conv(gm, node)
+        if parts is None:
+            continue
+        x, weight, bias = parts
+        out, w = weight.meta["val"].shape[:2]
+        graph = gm.graph
+        with graph.inserting_before(node):
+            flat = graph.call_function(aten.squeeze.dims, (x, [2, 3]))
+            matrix = graph.call_function(aten.view.default, (weight, [out, w]))
+            dense = graph.call_function(aten.linear.default, (flat, matrix, bias))
+            image = graph.call_function(
+                aten.unsqueeze.default, (graph.call_function(aten.unsqueeze.default, (dense, -1)), -1)
+            )
+        vals = {flat: aten.squeeze.dims(x.meta["val"], [2, 3]), matrix: weight.meta["val"].view(out, w)}
+        vals[dense] = aten.linear.default(vals[flat], vals[matrix], bias.meta["val"] if bias is not None else None)
+        vals[image.args[0]] = vals[dense].unsqueeze(-1)
+        vals[image] = vals[image.args[0]].unsqueeze(-1)
+        for new, val in vals.items():
+            new.meta.update({k: v for k, v in node.meta.items() if k in KEPT_META and k not in ("val", "tensor_meta")})
+            new.meta["val"] = val
+        node.replace_all_uses_with(image)
+        graph.erase_node(node)
+        done.append(Rewrite("pixel_conv_as_linear", node.name, _model_line(node.meta.get("stack_trace"))))
+    return done
+
+
+def _pixel_conv(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[Any, Any, Any] | None:
+    """``(input, weight, bias)`` of a 2-d convolution that is a dense layer over the channels: a 1×1
+    kernel, no padding, stride, dilation or groups, not transposed, a weight that is the model's own
+    tensor, and an input of one pixel at every size the graph serves; else None."""
+    bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    if bound is None:
+        return None
+    kw = bound.kwargs
+    x, weight, bias = kw["input"], kw["weight"], kw.get("bias")
+    vals = [getattr(n, "meta", {}).get("val") for n in (x, weight)]
+    if not all(isinstance(v, torch.Tensor) and v.dim() == 4 for v in vals):
+        return None
+    xv, wv = vals
+    if weight.op not in ("placeholder", "get_attr"):
+        return None  # a quantized weight (dequantized in the graph): Inductor's int8 patterns want the conv
+    if kw.get("transposed", False) or kw.get("groups", 1) != 1 or tuple(wv.shape[2:]) != (1, 1):
+        return None
+    ones = [list(kw.get(k, d)) if isinstance(kw.get(k, d), (list, tuple)) else [kw.get(k, d)] for k, d in
+            (("stride", 1), ("dilation", 1))]  # fmt: skip
+    padding = kw.get("padding", 0)
+    padding = list(padding) if isinstance(padding, (list, tuple)) else [padding]
+    if any(p not in (0, "valid", "same") for p in padding) or any(v != 1 for part in ones for v in part):
+        return None
+    if not all(statically_known_true(size == 1) for size in xv.shape[2:]):
+        return None
+    return x, weight, bias
 
 
 def _copy_conv_inputs(gm: torch.fx.GraphModule) -> list[Rewrite]:

@@ -124,8 +124,11 @@ class Service:
         self.metrics.reloads.labels(*self.labels, "ok" if attempt.ok else "failed").inc()
         if attempt.ok:
             log.info("serving %s version %s from %s", self.live.serving.name, attempt.version, attempt.path)
-            if self.instances is not None:  # each instance thread warms the new version before its next call
+            # Each instance or batch worker thread warms the new version before its next call.
+            if self.instances is not None:
                 self.instances.on_each(self.live.model.warm_thread)
+            if self.batcher is not None:
+                self.batcher.on_each(self.live.model.warmup)
         else:
             log.error("could not load %s: %s", attempt.requested, attempt.error)
 

@@ -269,3 +269,26 @@ class LayoutNet(nn.Module):
 
 def layout_net() -> nn.Module:
     return LayoutNet().eval()
+
+
+class ExciteNet(nn.Module):
+    """A depthwise block with squeeze-and-excite, as MobileNetV3 and EfficientNet have: the pooled
+    map's two 1×1 convolutions run on one pixel (the single-pixel rewrite's tests)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.stem = nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.reduce = nn.Conv2d(16, 4, 1)
+        self.expand = nn.Conv2d(4, 16, 1)
+        self.project = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.silu(self.depthwise(nn.functional.silu(self.stem(x))))
+        scale = torch.sigmoid(self.expand(nn.functional.silu(self.reduce(y.mean((2, 3), keepdim=True)))))
+        return self.project(y * scale)
+
+
+def excite_net() -> nn.Module:
+    return ExciteNet().eval()
