@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -87,15 +88,18 @@ def run_job(name: str, cwd: Path, context: dict[str, str], extra_env: dict[str, 
 
 @pytest.fixture(scope="session")
 def parts(tmp_path_factory) -> Path:
-    """The compile job of the workflow, once per shard of its matrix: the parts, in a CI checkout."""
+    """The compile job of the workflow, once per shard of its matrix, side by side as a runner pool
+    runs a matrix (each job writes only its own part): the parts, in a CI checkout."""
     checkout = tmp_path_factory.mktemp("checkout")
     write_profile(checkout / "profiles", PROFILE)
-    for shard in workflow()["jobs"]["compile"]["strategy"]["matrix"]["shard"]:
-        run_job(
-            "compile",
-            checkout,
-            {"inputs.profile": "profiles/profile.yaml", "inputs.version": "3", "matrix.shard": str(shard)},
-        )
+
+    def compile_job(shard: int) -> None:
+        context = {"inputs.profile": "profiles/profile.yaml", "inputs.version": "3", "matrix.shard": str(shard)}
+        run_job("compile", checkout, context)
+
+    shards = workflow()["jobs"]["compile"]["strategy"]["matrix"]["shard"]
+    with ThreadPoolExecutor(len(shards)) as pool:
+        list(pool.map(compile_job, shards))  # a failed job's assertion is raised here
     return checkout
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -127,33 +128,39 @@ def test_serve_adds_the_wait_policy_and_thread_count_but_keeps_the_users():
 
 # --- compile threads of the build's workers (precompile.executors.local.compile_threads) ------------
 
+# Each case's affinity is set before compile_threads asks for it (the first before the import, too).
 SIZE_IN_SUBPROCESS = """
-import os, sys
+import json, os, sys
 os.environ.pop("PRECOMPILE_COMPILE_THREADS", None)
-os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
-from precompile.executors.local import compile_threads
-print(compile_threads(int(sys.argv[2])))
+cases, out = json.loads(sys.argv[1]), []
+for cpus, jobs in cases:
+    os.sched_setaffinity(0, set(cpus))
+    from precompile.executors.local import compile_threads
+    out.append(compile_threads(jobs))
+print(json.dumps(out))
 """
 
 
-def sized(cpus, jobs: int) -> int:
+def sized(*cases: tuple[list[int], int]) -> list[int]:
+    """compile_threads(jobs) under each (CPUs allowed, jobs), in one fresh process (one import of torch)."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run(
-        [sys.executable, "-c", SIZE_IN_SUBPROCESS, ",".join(map(str, cpus)), str(jobs)],
+        [sys.executable, "-c", SIZE_IN_SUBPROCESS, json.dumps(cases)],
         capture_output=True,
         text=True,
         env=env,
         check=True,
     )
-    return int(out.stdout)
+    return json.loads(out.stdout)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
 def test_compile_threads_follow_the_affinity_mask_not_the_host():
     mine = sorted(os.sched_getaffinity(0))
-    assert sized(mine[:1], 1) == 1  # one CPU allowed: one compile thread, however many the host has
-    assert sized(mine, 1) == min(len(mine), T.cpu_allowance().cpus)
-    assert sized(mine, 2 * len(mine)) == 1  # never 0
+    one, every, oversubscribed = sized((mine[:1], 1), (mine, 1), (mine, 2 * len(mine)))
+    assert one == 1  # one CPU allowed: one compile thread, however many the host has
+    assert every == min(len(mine), T.cpu_allowance().cpus)
+    assert oversubscribed == 1  # never 0
 
 
 def test_compile_threads_env_override_and_its_errors():
