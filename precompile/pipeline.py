@@ -288,6 +288,7 @@ def _int8_fallback(
             break
         count = min(limit, 2 * count)
     fallback = {
+        "before": failed.accuracy,  # the gate's verdict with every layer int8
         "fp32_layers": ranked.order[: tries[-1]["fp32_layers"]] if tries else [],
         "why": "the most sensitive layers: each one's int8 error (drop of the noise-to-signal ratio when it "
         "alone runs in fp32, on calibration inputs)",

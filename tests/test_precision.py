@@ -419,6 +419,8 @@ def test_int8_failing_the_gate_keeps_its_most_sensitive_layer_in_fp32_and_passes
     gate = v.gate
     assert gate["kept"] and gate["fallback"]["fp32_layers"] == ["c2"]
     assert gate["fallback"]["sensitivity"][0]["layer"] == "c2"  # the layer reading the outlier channel, first
+    (before,) = gate["fallback"]["before"]  # every layer int8: the gate failed
+    assert before["statistic"] == "p5" and before["value"] < 0.99 and not before["passed"]
     first, last = gate["fallback"]["builds"][0], gate["fallback"]["builds"][-1]
     assert first["fp32_layers"] == 1 and last["kept"]
     (accuracy,) = gate["accuracy"]

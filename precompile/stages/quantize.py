@@ -259,7 +259,7 @@ def sensitivity(
     hint: dict[str, int],
     calibration: Sequence[Sample],
     *,
-    search: int = 8,
+    search: int = 32,
     prefixes: int = 0,
 ) -> Sensitivity:
     """Rank the int8 layers of ``vp`` (those ``quantization.keep`` does not already keep) by how much
@@ -268,34 +268,76 @@ def sensitivity(
     accuracy rule passes with the first 1 … ``prefixes`` of that order in fp32. A layer is made fp32 by
     bypassing its input's quantize/dequantize (``_in_fp32``): one calibration for the whole search
     (PT2E's observers see fp32 values, whichever layers are kept, so the scales are the same), where
-    keeping the layer for real (``quantization.keep``) calibrates again."""
+    keeping the layer for real (``quantization.keep``) calibrates again.
+
+    The error is the mean of two noise-to-signal ratios: the floating outputs', and that of the
+    features the last layer reads (a classifier's input): a head of a few logits alone says too little
+    to rank fifty layers by."""
     ep = export_model(model, profile, vp.ranges, hint)
     samples = [args for sizes, args in calibration if inside(sizes, vp.ranges)]
     samples = samples or [args for _, args in fallback_inputs(profile, vp.ranges)]
     converted = static_int8(ep.module(), profile.quantization, samples)
     inputs = samples[:search]
+    layers = quantizable_layers(converted)
+    last = [n for n in converted.graph.nodes if layers and _layer_of(n) == layers[-1]]
     with torch.no_grad():
-        want = [flatten(run_eager(model, args)) for args in inputs]
+        want = [_features(model, layers[-1] if last else None, args) for args in inputs]
 
     def error(bypassed: Sequence[str]) -> tuple[float, bool]:
         with _in_fp32(converted, bypassed), torch.no_grad():
-            got = [flatten(converted(*args)) for args in inputs]
-        noise = sum(
-            float((w.double() - g.double()).pow(2).sum())
-            for ws, gs in zip(want, got)
-            for w, g in zip(ws, gs)
-            if w.is_floating_point()
-        )
-        signal = sum(float(w.double().pow(2).sum()) for ws in want for w in ws if w.is_floating_point())
-        passed = all(a["passed"] for a in accuracy_entries(profile, list(zip(want, got))))
-        return noise / max(signal, 1e-30), passed
+            got = [_Recorder(converted, last[-1] if last else None).outputs(args) for args in inputs]
+        ratios = [_noise_to_signal([w[0] for w in want], [g[0] for g in got])]
+        if last and all(w[1] is not None for w in want):
+            ratios.append(_noise_to_signal([[w[1]] for w in want], [[g[1]] for g in got]))
+        entries = accuracy_entries(profile, [(w[0], g[0]) for w, g in zip(want, got)])
+        return sum(ratios) / len(ratios), all(a["passed"] for a in entries)
 
     kept = set(kept_layers(ep.module(), profile.quantization.keep))
     base, _ = error(())
-    drops = [(name, base - error((name,))[0]) for name in quantizable_layers(converted) if name not in kept]
+    drops = [(name, base - error((name,))[0]) for name in layers if name not in kept]
     ranked = tuple(sorted(drops, key=lambda x: -x[1]))
     order = [n for n, _ in ranked]
     return Sensitivity(base, ranked, tuple(error(order[:k]) for k in range(1, min(prefixes, len(order)) + 1)))
+
+
+def _noise_to_signal(want: Sequence[Sequence[torch.Tensor]], got: Sequence[Sequence[Any]]) -> float:
+    """Sum of squared differences over sum of squares, over every floating tensor of ``want``."""
+    pairs = [(w.double(), g.double()) for ws, gs in zip(want, got) for w, g in zip(ws, gs) if w.is_floating_point()]
+    signal = sum(float(w.pow(2).sum()) for w, _ in pairs)
+    return sum(float((w - g).pow(2).sum()) for w, g in pairs) / max(signal, 1e-30)
+
+
+def _features(model: torch.nn.Module, layer: str | None, args: tuple) -> tuple[list[torch.Tensor], Any]:
+    """fp32 eager's flat outputs for ``args``, and the input of module ``layer`` (None: not asked, or
+    no such module)."""
+    seen: list[torch.Tensor] = []
+    try:
+        module = model.get_submodule(layer) if layer else None
+    except AttributeError:
+        module = None
+    hook = module.register_forward_pre_hook(lambda _, a: seen.append(a[0].detach())) if module is not None else None
+    try:
+        out = flatten(run_eager(model, args))
+    finally:
+        if hook is not None:
+            hook.remove()
+    return out, (seen[-1] if seen else None)
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs a graph, keeping the value the node ``watch`` takes as its first input."""
+
+    def __init__(self, graph: torch.fx.GraphModule, watch: torch.fx.Node | None):
+        super().__init__(graph)
+        self.watch, self.seen = watch, None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n is self.watch and isinstance(n.args[0], torch.fx.Node):
+            self.seen = self.env[n.args[0]]
+        return super().run_node(n)
+
+    def outputs(self, args: tuple) -> tuple[list[torch.Tensor], Any]:
+        return flatten(self.run(*args)), self.seen
 
 
 def _layer_of(node: torch.fx.Node) -> str | None:
