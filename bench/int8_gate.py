@@ -123,7 +123,6 @@ def fallback_build(work: Path, threshold: float, log: Any) -> dict[str, Any]:
     """Part 2 of the module docstring."""
     import yaml
 
-    import loader
     from precompile import build
 
     raw = yaml.safe_load((PROFILES / "resnet50_precision.yaml").read_text())
@@ -135,26 +134,7 @@ def fallback_build(work: Path, threshold: float, log: Any) -> dict[str, Any]:
     records = result.manifest.check.precision
     for r in records:
         log(json.dumps(r, indent=1)[:4000])
-    timing = {}
-    torch.set_num_threads(1)
-    model = loader.load(result.path)
-    kinds = {v.precision for v in result.manifest.variants}
-    for precision in sorted(kinds):
-        m = loader.load(result.path, precision=precision)
-        per_shape = []
-        for sizes in SHAPES:
-            x = torch.rand(
-                sizes["batch"], 3, sizes["height"], sizes["width"], generator=torch.Generator().manual_seed(1)
-            )
-            for _ in range(3):
-                m(x)
-            t = time.process_time()
-            for _ in range(10):
-                m(x)
-            per_shape.append((time.process_time() - t) / 10 * 1000)
-        timing[precision] = per_shape
-        log(f"{precision}: CPU ms per call, 1 thread, {SHAPES}: {[round(v, 2) for v in per_shape]}")
-    del model
+    timing = cpu_times(work, log)
     return {
         "threshold": threshold,
         "build_seconds": seconds,
@@ -162,6 +142,40 @@ def fallback_build(work: Path, threshold: float, log: Any) -> dict[str, Any]:
         "cpu_ms_per_call": timing,
         "shapes": SHAPES,
     }
+
+
+def cpu_times(work: Path, log: Any) -> dict[str, list[float]]:
+    """CPU ms per call, one thread (``time.process_time``, 10 calls after 3), at ``SHAPES``: each
+    precision the artifact in ``work`` kept (through the loader), and the int8 packages part 1 compiled
+    (``study-*.pt2``, called directly: what the build would have kept under a gate they pass)."""
+    import loader
+
+    torch.set_num_threads(1)
+    runs: dict[str, Any] = {}
+    artifact = work / "artifact"
+    if artifact.exists():
+        for precision in sorted({v.precision for v in loader.load(artifact).manifest.variants}):
+            runs[f"artifact {precision}"] = loader.load(artifact, precision=precision)
+    for k, (label, _, _) in enumerate(OPTIONS):
+        if (work / f"study-{k}.pt2").exists():
+            runs[f"int8 {label}"] = torch._inductor.aoti_load_package(str(work / f"study-{k}.pt2"))
+    timing = {}
+    for label, run in runs.items():
+        per_shape = []
+        for sizes in SHAPES:
+            x = torch.rand(
+                sizes["batch"], 3, sizes["height"], sizes["width"], generator=torch.Generator().manual_seed(1)
+            )
+            with torch.no_grad():
+                for _ in range(3):
+                    run(x)
+                t = time.process_time()
+                for _ in range(10):
+                    run(x)
+            per_shape.append((time.process_time() - t) / 10 * 1000)
+        timing[label] = per_shape
+        log(f"{label}: CPU ms per call, 1 thread, at {SHAPES}: {[round(v, 2) for v in per_shape]}")
+    return timing
 
 
 def _model(profile: Any) -> torch.nn.Module:
@@ -176,6 +190,7 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.995, help="part 2's gate: cosine p5 at least this")
     parser.add_argument("--skip-study", action="store_true")
     parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--times-only", action="store_true", help="only the CPU times of what --work holds")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "int8_gate.json")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -184,6 +199,10 @@ def main() -> None:
         print(s, flush=True)
 
     result: dict[str, Any] = {}
+    if args.times_only:
+        result["cpu_ms_per_call"] = cpu_times(args.work, log)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
     if not args.skip_study:
         result["study"] = study(args.work, log)
     if not args.skip_build:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
@@ -38,7 +38,7 @@ from .quiet import quiet_third_party_warnings
 from .stages.assemble import assemble_manifest, finish_manifest
 from .stages.batching import check_batching
 from .stages.check import Staged, check_artifact, check_policies, check_policy_outputs
-from .stages.gate import GateResult, fallback_spent, gate_precisions, wants_fallback
+from .stages.gate import GateResult, gate_precisions, wants_fallback, with_fallback
 from .stages.measure import StaticTiming, dropped_variants, measure_statics
 from .stages.plan import make_plan
 from .stages.quantize import int8_method, sensitivity
@@ -287,19 +287,7 @@ def _int8_fallback(
         if count >= limit:
             break
         count = min(limit, 2 * count)
-    fallback = {
-        "before": failed.accuracy,  # the gate's verdict with every layer int8
-        "fp32_layers": ranked.order[: tries[-1]["fp32_layers"]] if tries else [],
-        "why": "the most sensitive layers: each one's int8 error (drop of the noise-to-signal ratio when it "
-        "alone runs in fp32, on calibration inputs)",
-        "sensitivity": [{"layer": n, "drop": d} for n, d in ranked.layers[: max(limit, 1)]],
-        "error_int8": ranked.error,
-        "builds": tries,
-        "limits": spec.fallback.model_dump(),
-    }
-    if kept is None and result.reason.endswith("(accuracy gate)"):
-        result = replace(result, reason=f"{result.reason}; {fallback_spent(tries, spec.fallback.builds, limit)}")
-    return kept, replace(result, fallback=fallback)
+    return kept, with_fallback(failed, result, ranked.layers, ranked.error, tries, spec.fallback.model_dump())
 
 
 def _measure(

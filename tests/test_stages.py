@@ -476,3 +476,23 @@ def test_the_gates_verdict_holds_over_seeds_and_row_counts_where_the_worst_row_f
     assert verdicts("p5") == p5  # run after run
     worst = {kept for kept, _ in verdicts("worst")}
     assert worst == {True, False}
+
+
+def test_an_int8_fallback_that_spent_its_builds_says_so_and_records_each_try():
+    from precompile.stages.gate import GateResult, with_fallback
+
+    accuracy = [{"output": 0, "metric": "cosine", "statistic": "p5", "rows": 79, "threshold": 0.995, "value": 0.99}]
+    failed = GateResult("int8-v0", "int8", "v0", accuracy, 64, reason="out0 cosine p5 0.9900 < 0.995 (accuracy gate)")
+    tries = [{"fp32_layers": 1, "kept": False}, {"fp32_layers": 2, "kept": False}]
+    ranked = [("a", 0.3), ("b", 0.2), ("c", 0.1)]
+    result = with_fallback(failed, failed, ranked, 0.5, tries, {"layers": 8, "builds": 2})
+    assert not result.kept and result.reason.endswith(
+        "; still failing with 2 more layer(s) in fp32 after 2 build(s): 2 build(s), the limit (quantization.fallback)"
+    )
+    assert result.fallback["fp32_layers"] == ["a", "b"] and result.fallback["builds"] == tries
+    assert result.fallback["before"] == accuracy and [s["layer"] for s in result.fallback["sensitivity"]] == [
+        "a",
+        "b",
+        "c",
+    ]
+    assert result.to_dict()["fallback"] == result.fallback

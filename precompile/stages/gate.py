@@ -234,10 +234,41 @@ def wants_fallback(profile: Profile, result: GateResult) -> bool:
     )
 
 
-def fallback_spent(tries: list[dict[str, Any]], builds: int, limit: int) -> str:
+def with_fallback(
+    failed: GateResult,
+    last: GateResult,
+    ranked: Sequence[tuple[str, float]],
+    error: float,
+    tries: list[dict[str, Any]],
+    limits: dict[str, int],
+) -> GateResult:
+    """The int8 fallback's verdict: ``last`` (the gate's result on the last build tried; ``failed``
+    when none was) with its ``fallback`` record: the verdict before (``failed``'s), the layers the
+    last build kept in fp32, why (the sensitivity ranking), and each build tried; a dropped one's
+    reason says what was spent."""
+    layers = tries[-1]["fp32_layers"] if tries else 0
+    shown = max(min(limits["layers"], len(ranked)), 1)
+    record = {
+        "before": failed.accuracy,  # every layer int8
+        "fp32_layers": [name for name, _ in ranked[:layers]],
+        "why": "the most sensitive first: each layer's int8 error, the drop in noise-to-signal ratio when it alone "
+        "takes fp32 activations (eager, calibration inputs)",
+        "sensitivity": [{"layer": name, "drop": drop} for name, drop in ranked[:shown]],
+        "error_int8": error,
+        "builds": tries,
+        "limits": limits,
+    }
+    if not last.kept and last.reason.endswith("(accuracy gate)"):
+        last = replace(
+            last, reason=f"{last.reason}; {_spent(tries, limits['builds'], min(limits['layers'], len(ranked)))}"
+        )
+    return replace(last, fallback=record)
+
+
+def _spent(tries: list[dict[str, Any]], builds: int, limit: int) -> str:
     """Why the fallback gave up, for the dropped variant's reason."""
     if not tries:
         return "no int8 layer left to keep in fp32 (quantization.fallback)"
     layers = tries[-1]["fp32_layers"]
-    spent = f"{len(tries)} build(s)" if len(tries) >= builds else f"{layers} layer(s), the limit"
-    return f"still failing with {layers} more layer(s) in fp32 after {len(tries)} build(s): {spent} spent (quantization.fallback)"
+    spent = f"{builds} build(s), the limit" if len(tries) >= builds else f"{limit} layer(s), the limit"
+    return f"still failing with {layers} more layer(s) in fp32 after {len(tries)} build(s): {spent} (quantization.fallback)"
