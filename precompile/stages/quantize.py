@@ -156,15 +156,7 @@ QUANTIZABLE = {"conv1d", "conv2d", "conv3d", "linear"}
 
 def quantizable_layers(graph: torch.fx.GraphModule) -> list[str]:
     """The modules of the exported ``graph``'s convolutions and linear layers, in the order they run."""
-    out: list[str] = []
-    for node in graph.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in QUANTIZABLE:
-            stack = node.meta.get("nn_module_stack") or {}
-            if stack:
-                name = list(stack.values())[-1][0].removeprefix("L['self'].")
-                if name not in out:
-                    out.append(name)
-    return out
+    return list(dict.fromkeys(name for name in map(_layer_of, graph.graph.nodes) if name is not None))
 
 
 def kept_layers(graph: torch.fx.GraphModule, keep: Sequence[str]) -> list[str]:
@@ -234,8 +226,8 @@ def quiet_torchao():
 class Sensitivity:
     """The layers of a static int8 variant ranked by how much of its error each one makes, measured
     in eager on the quantize/dequantize graph: ``error`` is the int8 graph's noise-to-signal ratio
-    (sum of squared differences from fp32 over sum of squares, every floating output, on the search
-    inputs), ``layers`` each layer with what that ratio drops by when it alone runs in fp32, the
+    (sum of squared differences from fp32 over sum of squares, on the search inputs; ``sensitivity``
+    says of what), ``layers`` each layer with what that ratio drops by when it alone runs in fp32, the
     largest drop first, and ``prefixes`` the ratio and whether the accuracy rule passes (on the
     search inputs) with the first k of them in fp32, k = 1, 2, ..."""
 
@@ -287,7 +279,7 @@ def sensitivity(
         with _in_fp32(converted, bypassed), torch.no_grad():
             got = [_Recorder(converted, last[-1] if last else None).outputs(args) for args in inputs]
         ratios = [_noise_to_signal([w[0] for w in want], [g[0] for g in got])]
-        if last and all(w[1] is not None for w in want):
+        if all(w[1] is not None and g[1] is not None and w[1].shape == g[1].shape for w, g in zip(want, got)):
             ratios.append(_noise_to_signal([[w[1]] for w in want], [[g[1]] for g in got]))
         entries = accuracy_entries(profile, [(w[0], g[0]) for w, g in zip(want, got)])
         return sum(ratios) / len(ratios), all(a["passed"] for a in entries)
