@@ -1,9 +1,9 @@
-"""Calibration inputs: what static int8 quantization calibrates on and the precision gate measures
-accuracy with. Read from the profile's ``calibration.file`` (a .safetensors of ``<sample>/<input>``
-tensors, or JSON lines of inputs), or drawn with the observed traffic's shapes.
+"""Calibration inputs: what static int8 quantization calibrates on, read from the profile's
+``calibration.file`` (a .safetensors of ``<sample>/<input>`` tensors, or JSON lines of inputs) or drawn
+with the observed traffic's shapes; and the held-out inputs the precision gate scores, disjoint from them.
 
-    samples = calibration_inputs(loaded, traffic)     # [(sizes, inputs), ...]
-    mine = [s for s in samples if inside(s[0], vp.ranges)] or fallback_inputs(profile, vp.ranges)
+    samples = calibration_inputs(loaded, traffic)     # [(sizes, inputs), ...]: what int8 calibrates on
+    held = gate_inputs(loaded, traffic, vp.ranges)    # what the gate scores vp on: none of the above
 """
 
 from __future__ import annotations
@@ -31,19 +31,63 @@ def calibration_inputs(loaded: LoadedProfile, traffic: dict[Shape, int]) -> list
     value ranges. Deterministic for the profile's seed."""
     profile = loaded.profile
     if profile.calibration.file is not None:
-        return read_calibration_file(loaded)
-    seed = profile.check.seed + 15485863
+        calibrate, _ = _split_file(read_calibration_file(loaded))
+        return calibrate
+    return _draw(profile, traffic, None, profile.calibration.samples, CALIBRATION_SEED)
+
+
+def gate_inputs(
+    loaded: LoadedProfile, traffic: dict[Shape, int], ranges: dict[str, tuple[int, int]], *, calibrated: bool = True
+) -> list[Sample]:
+    """The held-out inputs the precision gate scores a variant with ``ranges`` on, never one that
+    calibration saw: ``accuracy.samples`` drawn with the ``traffic``'s shapes inside ``ranges`` (any
+    size inside them when no traffic falls there) from seeds calibration does not use; with a
+    ``calibration.file``, its samples inside ``ranges`` (only its held-out quarter, every fourth
+    sample, for a variant ``calibrated`` on the rest: int8 static), else drawn. Deterministic for
+    the profile's seed."""
+    profile = loaded.profile
+    if profile.calibration.file is not None:
+        every = read_calibration_file(loaded)
+        held = _split_file(every)[1] if calibrated else every
+        mine = [s for s in held if inside(s[0], ranges)]
+        if mine:
+            return mine
+    return _draw(profile, traffic, ranges, profile.accuracy.samples, GATE_SEED)
+
+
+# Seed offsets of the two draws: calibration's samples take seeds base + k for k < 4096 (the most
+# calibration.samples allows), the gate's start far past them, so no gate input is a calibration input.
+CALIBRATION_SEED = 15485863
+GATE_SEED = 86028121
+
+
+def _draw(
+    profile: Profile, traffic: dict[Shape, int], ranges: dict[str, tuple[int, int]] | None, count: int, offset: int
+) -> list[Sample]:
+    """``count`` inputs with the traffic's shapes (weighted by count) inside ``ranges`` (None: any)."""
+    seed = profile.check.seed + offset
     dims = tuple(profile.dims)
     distribution = [(dict(zip(dims, key)), n) for key, n in traffic.items() if n > 0]
+    if ranges is not None:
+        distribution = [(s, n) for s, n in distribution if inside(s, ranges)]
+    bounds = ranges or {d: (max(s.min, 1), s.max) for d, s in profile.dims.items()}
     rng = random.Random(seed)
     out = []
-    for k in range(profile.calibration.samples):
+    for k in range(count):
         if distribution:
             sizes = rng.choices([s for s, _ in distribution], weights=[n for _, n in distribution])[0]
         else:
-            sizes = {d: rng.randint(max(s.min, 1), s.max) for d, s in profile.dims.items()}
+            sizes = {d: rng.randint(max(lo, 1), hi) for d, (lo, hi) in bounds.items()}
         out.append((sizes, make_inputs(profile, sizes, seed=seed + k)))
     return out
+
+
+def _split_file(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """A calibration file's samples as (calibrate on, hold out for the gate): every fourth one held
+    out, when the file has two or more."""
+    if len(samples) < 2:
+        return samples, []
+    return [s for i, s in enumerate(samples) if i % 4 != 3], [s for i, s in enumerate(samples) if i % 4 == 3]
 
 
 def fallback_inputs(profile: Profile, ranges: dict[str, tuple[int, int]], count: int = 3) -> list[Sample]:

@@ -10,6 +10,7 @@ pad/split policies, batched calls against single ones) goes through ``compare_te
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,23 +121,76 @@ def compare(
 # --- accuracy metrics (the precision gate) ----------------------------------------------------------
 
 
-def agreement(rule: AccuracyRule, want: torch.Tensor, got: torch.Tensor) -> float:
-    """``rule``'s metric between fp32 eager's ``want`` and a variant's ``got``."""
+def row_values(rule: AccuracyRule, want: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """``rule``'s metric between fp32 eager's ``want`` and a variant's ``got``, one value per output row
+    (the last axis; a 0-d or 1-d output is one row): cosine, max |want - got|, or 1.0 where the argmax agrees."""
     w, g = want.detach().double().cpu(), got.detach().double().cpu()
-    if rule.metric == "max_abs":
-        return float((w - g).abs().max()) if w.numel() else 0.0
     rows_w = w.reshape(-1, w.shape[-1]) if w.dim() >= 2 else w.reshape(1, -1)
     rows_g = g.reshape(rows_w.shape)
     if rows_w.numel() == 0:
-        return 1.0
+        return torch.empty(0, dtype=torch.float64)
+    if rule.metric == "max_abs":
+        return (rows_w - rows_g).abs().amax(-1)
     if rule.metric == "top1":
-        return float((rows_w.argmax(-1) == rows_g.argmax(-1)).double().mean())
-    return float(torch.nn.functional.cosine_similarity(rows_w, rows_g, dim=-1, eps=1e-12).min())
+        return (rows_w.argmax(-1) == rows_g.argmax(-1)).double()
+    return torch.nn.functional.cosine_similarity(rows_w, rows_g, dim=-1, eps=1e-12)
+
+
+def summarize(rule: AccuracyRule, values: torch.Tensor, statistic: str | None = None) -> float:
+    """Per-row ``values`` summed up as the gate judges them (``statistic``, default the rule's): top1 the
+    share of rows agreeing; cosine and max_abs the worst row, the mean, or p5, the bound of the 5% worst
+    rows (the 5th percentile of cosine, the 95th of max_abs, linearly interpolated)."""
+    if values.numel() == 0:
+        return 0.0 if rule.metric == "max_abs" else 1.0
+    if rule.metric == "top1":
+        return float(values.mean())
+    statistic = statistic or rule.statistic
+    high = rule.metric == "max_abs"  # larger is worse
+    if statistic == "worst":
+        return float(values.max() if high else values.min())
+    if statistic == "mean":
+        return float(values.mean())
+    return float(torch.quantile(values, 0.95 if high else 0.05))
+
+
+def agreement(rule: AccuracyRule, want: torch.Tensor, got: torch.Tensor) -> float:
+    """``rule``'s metric between ``want`` and ``got`` at their worst row (top1: the share agreeing)."""
+    return summarize(rule, row_values(rule, want, got), "worst")
 
 
 def passes(rule: AccuracyRule, value: float) -> bool:
     return value <= rule.threshold if rule.metric == "max_abs" else value >= rule.threshold
 
 
-def worst(rule: AccuracyRule, values: list[float]) -> float:
-    return max(values) if rule.metric == "max_abs" else min(values)
+def accuracy_entries(
+    profile: Profile, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[Any]]]
+) -> list[dict[str, Any]]:
+    """Per output of the (fp32 eager, variant) output ``pairs``: the rule's metric over every row of
+    every pair (``compare.summarize``), with how many rows and whether it passed."""
+    rows: dict[int, list[torch.Tensor]] = {}
+    equal: dict[int, list[bool]] = {}
+    for want, got in pairs:
+        for i, (w, g) in enumerate(zip(want, got)):
+            if w.is_floating_point():
+                rows.setdefault(i, []).append(row_values(profile.accuracy.rule(i), w, g))
+            else:
+                equal.setdefault(i, []).append(torch.equal(w, g.cpu()))
+    accuracy = []
+    for i in sorted({*rows, *equal}):
+        rule = profile.accuracy.rule(i)
+        if i in equal:
+            entry = {"metric": "equal", "rows": len(equal[i]), "threshold": 1.0, "value": float(all(equal[i]))}
+            entry["passed"] = all(equal[i])
+        else:
+            values = torch.cat(rows[i])
+            value = summarize(rule, values)
+            entry = {
+                "metric": rule.metric,
+                "statistic": "share" if rule.metric == "top1" else rule.statistic,
+                "rows": int(values.numel()),
+                "threshold": rule.threshold,
+                "value": value,
+                "passed": passes(rule, value),
+            }
+        accuracy.append({"output": i, **entry})
+    return accuracy

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -24,27 +25,30 @@ from loader import constants as C
 from loader.manifest import Manifest, expires_problem
 
 from .analysis.value_ranges import with_value_ranges
+from .calibration import Sample, gate_inputs
 from .compare import CheckReport
 from .context import BuildContext
 from .cuda_targets import with_kernel_targets
 from .errors import PrecompileError
 from .executors import Executor, compile_units
+from .executors.worker import compile_unit
 from .profile import PROFILE_NAME, Profile, read_profile
 from .progress import Progress, escape
 from .quiet import quiet_third_party_warnings
 from .stages.assemble import assemble_manifest, finish_manifest
 from .stages.batching import check_batching
 from .stages.check import Staged, check_artifact, check_policies, check_policy_outputs
-from .stages.gate import GateResult, gate_precisions
+from .stages.gate import GateResult, gate_precisions, wants_fallback, with_fallback
 from .stages.measure import StaticTiming, dropped_variants, measure_statics
 from .stages.plan import make_plan
+from .stages.quantize import int8_method, sensitivity
 from .stages.references import write_references
 from .stages.resolve import resolve
 from .stages.resolve.program import model_source
 from .stages.targets import compile_tasks, cuda_info, expand_precisions, expand_targets, usable_targets
 from .stages.tune import Trial, describe, tune_variants
 from .traffic import read_distribution
-from .units import CompiledUnit, CompiledUnits, Plan
+from .units import CompiledUnit, CompiledUnits, Plan, VariantPlan
 from .write import publish, staging_folder
 
 
@@ -160,7 +164,7 @@ def finish(
     tuned, trials = _tune(ctx, units, progress)
     lower = [units.first(vp.id) for vp in ctx.variants if vp.precision != "fp32"]
     seconds = {u.variant.id: u.seconds for u in [*tuned, *lower]}
-    kept, gates = _gate(ctx, [*tuned, *lower], progress)
+    kept, gates = _gate(ctx, [*tuned, *lower], staging, progress)
     records = {g.variant: g.to_dict() for g in gates}
     ctx = ctx.with_cuda(with_kernel_targets(ctx.cuda, [u.package.path for u in kept if u.variant.device == "cuda"]))
     with progress.stage("write", str(target)):
@@ -214,17 +218,83 @@ def _tune(ctx: BuildContext, units: CompiledUnits, progress: Progress) -> tuple[
 
 
 def _gate(
-    ctx: BuildContext, units: list[CompiledUnit], progress: Progress
+    ctx: BuildContext, units: list[CompiledUnit], staging: Path, progress: Progress
 ) -> tuple[list[CompiledUnit], tuple[GateResult, ...]]:
-    """The units the precision gate keeps (every fp32 one), and its results."""
+    """The units the precision gate keeps (every fp32 one), and its results; an int8 static unit
+    failing on accuracy is built again with its most sensitive layers in fp32 (``_int8_fallback``)."""
     lower = [u for u in units if u.variant.precision != "fp32"]
     if not lower:
         return units, ()
+
+    static = int8_method(ctx.profile, ctx.model) == "static"
+
+    def held_out(vp: VariantPlan) -> list[Sample]:
+        calibrated = vp.precision == "int8" and static
+        return gate_inputs(ctx.loaded, ctx.traffic, vp.ranges, calibrated=calibrated)
+
     with progress.stage("gate", f"{len(lower)} bf16/int8 variant(s): accuracy against fp32 eager, speed against fp32"):
-        outcome = gate_precisions(ctx.profile, ctx.model, units, ctx.traffic, ctx.calibration)
+        outcome = gate_precisions(ctx.profile, ctx.model, units, ctx.traffic, held_out)
+    kept = {u.variant.id: u for u in outcome.kept}
+    results = []
     for g in outcome.results:
+        if wants_fallback(ctx.profile, g) and static:
+            progress.note(
+                f"[yellow]{g.variant}: {g.accuracy_said()} (accuracy gate): int8 again, its most sensitive layers in fp32[/]"
+            )
+            unit, g = _int8_fallback(ctx, units, g, held_out, staging, progress)
+            if unit is not None:
+                kept[unit.variant.id] = unit
+        results.append(g)
         progress.note(g.describe() if g.kept else f"[yellow]{g.describe()}[/]")
-    return list(outcome.kept), outcome.results
+    return [kept[u.variant.id] for u in units if u.variant.id in kept], tuple(results)
+
+
+def _int8_fallback(
+    ctx: BuildContext,
+    units: list[CompiledUnit],
+    failed: GateResult,
+    held_out: Callable[[VariantPlan], list[Sample]],
+    staging: Path,
+    progress: Progress,
+) -> tuple[CompiledUnit | None, GateResult]:
+    """A static int8 unit that failed the accuracy gate, built again with more of its layers in fp32
+    (the most sensitive first, ``quantize.sensitivity``) until the gate passes or
+    ``quantization.fallback`` (layers, builds) is spent: the unit kept (None: int8 dropped) and its
+    gate result, whose ``fallback`` says what was kept and why."""
+    by_id = {u.variant.id: u for u in units}
+    unit, twin = by_id[failed.variant], by_id[failed.against]
+    spec = ctx.profile.quantization
+    with progress.stage("fallback", f"{unit.variant.id}: each int8 layer's share of the error, in eager"):
+        ranked = sensitivity(
+            ctx.model, ctx.profile, unit.variant, unit.variant.hint, ctx.calibration, prefixes=spec.fallback.layers
+        )
+    limit = min(spec.fallback.layers, len(ranked.layers))
+    count = ranked.first_passing() or limit
+    task = next(t for t in compile_tasks(ctx.variants, ctx.candidates) if t.vp.id == unit.variant.id)
+    tries: list[dict[str, Any]] = []
+    result, kept = failed, None
+    while count and len(tries) < spec.fallback.builds:
+        keep = [*spec.keep, *ranked.order[:count]]
+        profile = ctx.profile.model_copy(update={"quantization": spec.model_copy(update={"keep": keep})})
+        names = ", ".join(ranked.order[:count][:4]) + (", ..." if count > 4 else "")
+        with progress.stage("fallback", f"{unit.variant.id}: int8 with {count} more layer(s) in fp32 ({names})"):
+            built = compile_unit(
+                ctx.loaded.model_copy(update={"profile": profile}),
+                ctx.model,
+                task,
+                staging,
+                calibration=lambda: ctx.calibration,
+            ).unit
+            outcome = gate_precisions(ctx.profile, ctx.model, [twin, built], ctx.traffic, held_out)
+        (result,) = outcome.results
+        tries.append({"fp32_layers": count, "accuracy": result.accuracy, "kept": result.kept})
+        if result.kept or not result.reason.endswith("(accuracy gate)"):
+            kept = built if result.kept else None
+            break
+        if count >= limit:
+            break
+        count = min(limit, 2 * count)
+    return kept, with_fallback(failed, result, ranked.layers, ranked.error, tries, spec.fallback.model_dump())
 
 
 def _measure(

@@ -136,12 +136,15 @@ def test_build_keeps_each_precision_with_its_gate_record(lowp):
         assert v.precision == precision
         assert v.embedded_constants  # frozen: oneDNN-prepacked weights live in the package
         gate = v.gate
-        assert gate["kept"] and gate["against"] == "dynamic" and gate["samples"] == 6  # the calibration file's
+        # bf16 and dynamic int8 calibrate on nothing: the gate scores every sample of the calibration file
+        assert gate["kept"] and gate["against"] == "dynamic" and gate["samples"] == 6
         cosine, exact = gate["accuracy"]
         assert cosine["metric"] == "cosine" and 0.99 <= cosine["value"] <= 1.0 + 1e-9 and cosine["passed"]
+        assert cosine["statistic"] == "p5" and cosine["rows"] == 13  # the file's 6 samples hold 13 rows (batch 1-4)
         assert exact == {
             "output": 1,
             "metric": "equal",
+            "rows": 6,
             "threshold": 1.0,
             "value": 1.0,
             "passed": True,
@@ -155,11 +158,36 @@ def test_build_keeps_each_precision_with_its_gate_record(lowp):
     }
 
 
+OUTLIER = """
+name: lowp-outlier
+model: {factory: "lowp:outlier"}
+inputs:
+  x: {shape: [batch, 3, size, size], dtype: float32}
+dims:
+  batch: {min: 1, max: 2}
+  size:  {min: 16, max: 32}
+plan: {max_specialized: 0}
+precision: [int8]
+accuracy: {metric: cosine, threshold: 0.99, min_speedup: 0}
+calibration: {samples: 8}
+"""
+
+
+@pytest.fixture(scope="session")
+def outlier_int8(tmp_path_factory):
+    """The conv net whose c2 reads an outlier channel (tests/models/lowp.py), in int8 with the
+    fallback on (the default): every layer in int8 fails the gate, c2 kept in fp32 passes."""
+    folder = tmp_path_factory.mktemp("outlier")
+    result = CliRunner().invoke(main, ["build", str(write(folder, OUTLIER)), "-o", str(folder / "artifact")])
+    assert result.exit_code == 0, result.output
+    return parse_manifest((folder / "artifact" / "manifest.json").read_text()), result.output
+
+
 def test_a_variant_failing_the_gate_is_dropped_with_its_reason(strict_gate):
     assert [v.id for v in strict_gate.manifest.variants] == ["dynamic"]
     (record,) = strict_gate.manifest.check.precision
     assert record["variant"] == "bf16-dynamic" and not record["kept"]
-    assert "output 0: max_abs" in record["reason"] and "(accuracy gate)" in record["reason"]
+    assert record["reason"].startswith("out0 max_abs p5 ") and record["reason"].endswith("(accuracy gate)")
     assert not (strict_gate.path / "variants" / "bf16-dynamic.pt2").exists()
     text = CliRunner().invoke(main, ["inspect", str(strict_gate.path)]).output
     assert "precision variants the gate dropped" in text and "bf16-dynamic" in text
@@ -379,3 +407,28 @@ def test_calibration_values_must_respect_the_declared_ranges(tmp_path):
 
         loaded = load_profile(path)
         calibration_inputs(loaded, read_distribution(loaded))
+
+
+# --- the int8 fallback ----------------------------------------------------------------------------
+
+
+def test_int8_failing_the_gate_keeps_its_most_sensitive_layer_in_fp32_and_passes(outlier_int8):
+    manifest, output = outlier_int8
+    output = " ".join(output.split())  # the console wraps lines at its width
+    (v,) = [v for v in manifest.variants if v.precision == "int8"]
+    gate = v.gate
+    assert gate["kept"] and gate["fallback"]["fp32_layers"] == ["c2"]
+    assert gate["fallback"]["sensitivity"][0]["layer"] == "c2"  # the layer reading the outlier channel, first
+    (before,) = gate["fallback"]["before"]  # every layer int8: the gate failed
+    assert before["statistic"] == "p5" and before["value"] < 0.99 and not before["passed"]
+    first, last = gate["fallback"]["builds"][0], gate["fallback"]["builds"][-1]
+    assert first["fp32_layers"] == 1 and last["kept"]
+    (accuracy,) = gate["accuracy"]
+    assert accuracy["statistic"] == "p5" and accuracy["value"] >= 0.99 and accuracy["rows"] >= 64
+    # what the build says: the first gate's failure, then what it kept and the cosine it reached
+    assert (
+        "int8-dynamic: out0 cosine p5 0.9" in output
+        and "< 0.99 on 99 held-out rows (accuracy gate): int8 again" in output
+    )
+    assert "int8-dynamic: int8 fallback kept 1 layer in fp32 (c2), 1 build: out0 cosine p5" in output
+    assert "→ kept" in output

@@ -117,3 +117,44 @@ def test_the_percentile_observer_clips_outliers_that_minmax_keeps():
     (p_scale, _), (m_scale, _) = percentile.calculate_qparams(), minmax.calculate_qparams()
     assert float(m_scale) == pytest.approx(50 / 255, rel=1e-3)
     assert float(p_scale) * 255 == pytest.approx(1.0, abs=0.05)  # the range ends near 1, the outliers clipped
+
+
+# --- what the gate scores: held-out inputs ------------------------------------------------------
+
+
+def test_the_gates_inputs_are_held_out_from_calibration_and_follow_the_traffic(exported):
+    from precompile.calibration import calibration_inputs, gate_inputs
+    from precompile.profile import LoadedProfile
+
+    _, profile = exported
+    loaded = LoadedProfile(profile=profile, path=Path("lowp.yaml"))
+    traffic = {(1, 16): 3, (2, 24): 1, (4, 48): 2}  # (batch, size): count
+    calibration = calibration_inputs(loaded, traffic)
+    held = gate_inputs(loaded, traffic, {"batch": (1, 2), "size": (16, 48)})
+    assert len(held) == profile.accuracy.samples == 64 and len(calibration) == profile.calibration.samples
+    assert {(s["batch"], s["size"]) for s, _ in held} == {(1, 16), (2, 24)}  # the traffic inside the ranges
+    seen = [x for _, (x,) in calibration]
+    assert not any(x.shape == y.shape and torch.equal(x, y) for _, (y,) in held for x in seen)
+    again = gate_inputs(loaded, traffic, {"batch": (1, 2), "size": (16, 48)})
+    assert all(torch.equal(a[1][0], b[1][0]) for a, b in zip(held, again))  # the same draw, build after build
+
+
+def test_a_calibration_files_every_fourth_sample_is_held_out_for_the_gate(tmp_path):
+    import json
+
+    from precompile.calibration import calibration_inputs, gate_inputs
+    from precompile.profile import load_profile
+
+    gen = torch.Generator().manual_seed(0)
+    lines = [json.dumps({"x": (torch.rand(1, 3, 16, 16, generator=gen)).tolist()}) for _ in range(8)]
+    (tmp_path / "calib.jsonl").write_text("\n".join(lines) + "\n")
+    import yaml
+
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**PROFILE, "calibration": {"file": "calib.jsonl"}}))
+    loaded = load_profile(tmp_path / "p.yaml")
+    calibration = calibration_inputs(loaded, {})
+    held = gate_inputs(loaded, {}, RANGES)
+    assert len(calibration) == 6 and len(held) == 2
+    values = [json.loads(line)["x"] for line in lines]
+    assert [x.tolist() for _, (x,) in held] == [values[3], values[7]]
+    assert [x.tolist() for _, (x,) in calibration] == [v for i, v in enumerate(values) if i % 4 != 3]

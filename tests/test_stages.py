@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from precompile.analysis.value_ranges import IndexTable
-from precompile.calibration import fallback_inputs
+from precompile.calibration import gate_inputs
 from precompile.compare import compare_tensors
 from precompile.context import BuildContext
 from precompile.errors import CheckError, CompileError, ProfileError
@@ -179,17 +179,24 @@ def fake_clock(ms: dict[int, float]):
 def test_the_gate_keeps_an_accurate_and_faster_lower_precision(tmp_path, profile, model):
     units = [unit(tmp_path, DYNAMIC), unit(tmp_path, INT8)]
     outcome = gate_precisions(
-        profile, model, units, {}, [], open_runner=runners(model, {}), timer=fake_clock({0: 2.0, 1: 1.0})
+        profile, model, units, {}, held_out(profile), open_runner=runners(model, {}), timer=fake_clock({0: 2.0, 1: 1.0})
     )
     assert [u.variant.id for u in outcome.kept] == ["dynamic", "int8-dynamic"]
     (result,) = outcome.results
     assert result.kept and result.against == "dynamic" and result.speedup == 2.0
+    rows = sum(sizes["batch"] for sizes, _ in held_out(profile)(INT8))
     assert result.accuracy == [
-        {"output": 0, "metric": "cosine", "threshold": 0.99, "value": pytest.approx(1.0), "passed": True}
+        {
+            "output": 0,
+            "metric": "cosine",
+            "statistic": "p5",
+            "rows": rows,
+            "threshold": 0.99,
+            "value": pytest.approx(1.0),
+            "passed": True,
+        }
     ]
-    assert result.samples == len(
-        fallback_inputs(profile, INT8.ranges)
-    )  # no calibration sample: the range ends and inside
+    assert result.samples == profile.accuracy.samples == 64  # the held-out inputs, drawn inside the ranges
 
 
 def test_the_gate_drops_an_inaccurate_one_and_deletes_its_file(tmp_path, profile, model):
@@ -201,36 +208,51 @@ def test_the_gate_drops_an_inaccurate_one_and_deletes_its_file(tmp_path, profile
         return (lambda *args: [-t for t in run(*args)]) if pkg.path.name.startswith("int8") else run
 
     outcome = gate_precisions(
-        profile, model, units, {}, [], open_runner=open_runner, timer=fake_clock({0: 2.0, 1: 1.0})
+        profile, model, units, {}, held_out(profile), open_runner=open_runner, timer=fake_clock({0: 2.0, 1: 1.0})
     )
     assert [u.variant.id for u in outcome.kept] == ["dynamic"]
     (result,) = outcome.results
-    assert not result.kept and result.reason.endswith("< 0.99 (accuracy gate)") and result.ms is None
+    rows = sum(sizes["batch"] for sizes, _ in held_out(profile)(INT8))
+    assert (
+        result.reason == f"out0 cosine p5 -1.0000 < 0.99 on {rows} held-out rows (accuracy gate)" and result.ms is None
+    )
+    assert not result.kept
     assert not (tmp_path / "int8-dynamic.pt2").exists() and (tmp_path / "dynamic.pt2").exists()
 
 
 def test_the_gate_drops_one_that_is_not_faster(tmp_path, profile, model):
     units = [unit(tmp_path, DYNAMIC), unit(tmp_path, INT8)]
     outcome = gate_precisions(
-        profile, model, units, {}, [], open_runner=runners(model, {}), timer=fake_clock({0: 1.0, 1: 1.0})
+        profile, model, units, {}, held_out(profile), open_runner=runners(model, {}), timer=fake_clock({0: 1.0, 1: 1.0})
     )
     (result,) = outcome.results
     assert not result.kept and result.reason == "not faster than fp32 (1.000 vs 1.000 ms, accuracy.min_speedup)"
     assert [u.variant.id for u in outcome.kept] == ["dynamic"]
 
 
-def test_the_gate_measures_on_the_calibration_samples_inside_the_variant(tmp_path, profile, model):
-    samples = [({"batch": 2}, (torch.ones(2, 4),)), ({"batch": 20}, (torch.ones(20, 4),))]
+def test_the_gate_scores_the_held_out_inputs_of_the_variants_own_ranges(tmp_path, profile, model):
+    asked = []
+
+    def inputs(vp):
+        asked.append(vp.ranges)
+        return [({"batch": 2}, (torch.ones(2, 4),))]
+
     outcome = gate_precisions(
         profile,
         model,
         [unit(tmp_path, DYNAMIC), unit(tmp_path, INT8)],
         {},
-        samples,
+        inputs,
         open_runner=runners(model, {}),
         timer=fake_clock({0: 2.0, 1: 1.0}),
     )
-    assert outcome.results[0].samples == 1
+    assert asked == [INT8.ranges] and outcome.results[0].samples == 1 and outcome.results[0].accuracy[0]["rows"] == 2
+
+
+def held_out(profile: Profile):
+    """What the build hands the gate: ``calibration.gate_inputs`` of the profile, per variant's ranges."""
+    loaded = LoadedProfile(profile=profile, path=Path("stages.yaml"))
+    return lambda vp: gate_inputs(loaded, {}, vp.ranges)
 
 
 # --- measure ------------------------------------------------------------------------------------
@@ -400,3 +422,77 @@ def test_one_comparison_for_every_stage():
     assert not compare_tensors(torch.tensor([inf]), torch.tensor([-inf]), atol=1.0, rtol=1.0).passed
     ints = compare_tensors(torch.tensor([1, 2, 3]), torch.tensor([1, 0, 0]), atol=0.0, rtol=0.0)
     assert (ints.passed, ints.max_abs_error, ints.first_mismatch) == (False, 2.0, (1,))
+
+
+def tailed(model: torch.nn.Module, rate: float):
+    """``open_runner`` giving the model's outputs with a little noise on every row (cosine about
+    0.9998) and a lot on about ``rate`` of the rows (cosine about 0.95): a variant whose rare bad rows
+    a worst-row gate finds or misses by the draw. Each row's noise depends only on that row's input."""
+
+    def open_runner(pkg: CompiledPackage, device: str):
+        def run(x):
+            out = model(x).detach()
+            for i in range(out.shape[0]):
+                gen = torch.Generator().manual_seed(int(abs(float(x[i].double().sum())) * 1e6) % 2**31)
+                bad = float(torch.rand(1, generator=gen)) < rate
+                out[i] += torch.randn(3, generator=gen) * (0.3 if bad else 0.02) * out[i].norm() / 3**0.5
+            return [out]
+
+        return run
+
+    return open_runner
+
+
+def test_the_gates_verdict_holds_over_seeds_and_row_counts_where_the_worst_row_flips(tmp_path, profile, model):
+    """The same variant, gated on the held-out inputs of five seeds and three sample counts: p5 (the
+    default statistic) gives one verdict and values within 0.001; the worst row (the old gate's
+    statistic) passes or fails by the draw."""
+
+    def verdicts(statistic: str) -> list[tuple[bool, float]]:
+        out = []
+        for seed in range(5):
+            for samples in (32, 64, 128):
+                p = profile.model_copy(
+                    update={
+                        "check": profile.check.model_copy(update={"seed": seed}),
+                        "accuracy": profile.accuracy.model_copy(update={"samples": samples, "statistic": statistic}),
+                    }
+                )
+                units = [unit(tmp_path, DYNAMIC), unit(tmp_path, INT8)]
+                outcome = gate_precisions(
+                    p,
+                    model,
+                    units,
+                    {},
+                    held_out(p),
+                    open_runner=tailed(model, 0.005),
+                    timer=fake_clock({0: 2.0, 1: 1.0}),
+                )
+                out.append((outcome.results[0].kept, outcome.results[0].accuracy[0]["value"]))
+        return out
+
+    p5 = verdicts("p5")
+    assert all(kept for kept, _ in p5) and max(v for _, v in p5) - min(v for _, v in p5) < 1e-3
+    assert verdicts("p5") == p5  # run after run
+    worst = {kept for kept, _ in verdicts("worst")}
+    assert worst == {True, False}
+
+
+def test_an_int8_fallback_that_spent_its_builds_says_so_and_records_each_try():
+    from precompile.stages.gate import GateResult, with_fallback
+
+    accuracy = [{"output": 0, "metric": "cosine", "statistic": "p5", "rows": 79, "threshold": 0.995, "value": 0.99}]
+    failed = GateResult("int8-v0", "int8", "v0", accuracy, 64, reason="out0 cosine p5 0.9900 < 0.995 (accuracy gate)")
+    tries = [{"fp32_layers": 1, "kept": False}, {"fp32_layers": 2, "kept": False}]
+    ranked = [("a", 0.3), ("b", 0.2), ("c", 0.1)]
+    result = with_fallback(failed, failed, ranked, 0.5, tries, {"layers": 8, "builds": 2})
+    assert not result.kept and result.reason.endswith(
+        "; still failing with 2 more layer(s) in fp32 after 2 build(s): 2 build(s), the limit (quantization.fallback)"
+    )
+    assert result.fallback["fp32_layers"] == ["a", "b"] and result.fallback["builds"] == tries
+    assert result.fallback["before"] == accuracy and [s["layer"] for s in result.fallback["sensitivity"]] == [
+        "a",
+        "b",
+        "c",
+    ]
+    assert result.to_dict()["fallback"] == result.fallback

@@ -209,9 +209,27 @@ class AccuracyRule(_Strict):
         ),
     )
     threshold: float = Field(default=0.99, description="cosine and top1: at least this; max_abs: at most this")
+    statistic: Literal["p5", "worst", "mean"] = Field(
+        default="p5",
+        description=(
+            "how the gate sums up cosine and max_abs over its held-out rows: p5, the 5% worst rows' bound (95% of "
+            "rows have a cosine at least it, or a max_abs at most it), stable from run to run and over row counts; "
+            "worst: the worst row (grows stricter with every row scored); mean. top1 is always the share of rows"
+        ),
+    )
 
 
 class AccuracySpec(AccuracyRule):
+    samples: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description=(
+            "held-out inputs the gate scores each bf16 or int8 variant on: drawn with the traffic's shapes inside the "
+            "variant's ranges (other seeds than calibration's), or the calibration file's held-out quarter; never "
+            "an input int8 calibrated on"
+        ),
+    )
     outputs: dict[int, AccuracyRule] = Field(
         default_factory=dict, description="per flat output index, a rule replacing the default one above"
     )
@@ -244,6 +262,19 @@ class CalibrationSpec(_Strict):
     )
 
 
+class FallbackSpec(_Strict):
+    layers: int = Field(
+        default=8,
+        ge=0,
+        le=1024,
+        description=(
+            "int8 static failing the accuracy gate: keep at most this many more layers in fp32, the most sensitive "
+            "first (each layer's error measured alone), until the gate passes; 0 turns the fallback off"
+        ),
+    )
+    builds: int = Field(default=2, ge=1, le=16, description="int8 static fallback: at most this many compiles tried")
+
+
 class QuantizationSpec(_Strict):
     int8: Literal["auto", "dynamic", "static"] = Field(
         default="auto",
@@ -266,6 +297,10 @@ class QuantizationSpec(_Strict):
             "int8 static: layers left in fp32: first and last (the first and the last convolution or linear layer "
             "that runs: a convnet's stem and classifier), or module names (e.g. 'resnet.encoder.stages.3')"
         ),
+    )
+    fallback: FallbackSpec = Field(
+        default_factory=FallbackSpec,
+        description="int8 static: what the build does when the int8 variant fails the accuracy gate",
     )
 
 

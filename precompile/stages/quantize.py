@@ -22,16 +22,21 @@ import copy
 import dataclasses
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 
+from loader.outputs import flatten
+
 from ..calibration import Sample, fallback_inputs, inside
+from ..compare import accuracy_entries
 from ..errors import CompileError, ExportError
 from ..profile import Profile
 from ..profile.schema import QuantizationSpec
 from ..quiet import quiet_third_party_warnings
+from ..runners import run_eager
 from ..tracing import export_model
 from ..units import VariantPlan
 
@@ -151,15 +156,7 @@ QUANTIZABLE = {"conv1d", "conv2d", "conv3d", "linear"}
 
 def quantizable_layers(graph: torch.fx.GraphModule) -> list[str]:
     """The modules of the exported ``graph``'s convolutions and linear layers, in the order they run."""
-    out: list[str] = []
-    for node in graph.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in QUANTIZABLE:
-            stack = node.meta.get("nn_module_stack") or {}
-            if stack:
-                name = list(stack.values())[-1][0].removeprefix("L['self'].")
-                if name not in out:
-                    out.append(name)
-    return out
+    return list(dict.fromkeys(name for name in map(_layer_of, graph.graph.nodes) if name is not None))
 
 
 def kept_layers(graph: torch.fx.GraphModule, keep: Sequence[str]) -> list[str]:
@@ -220,3 +217,149 @@ def quiet_torchao():
     quiet_third_party_warnings()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         yield
+
+
+# --- the accuracy-driven fallback ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """The layers of a static int8 variant ranked by how much of its error each one makes, measured
+    in eager on the quantize/dequantize graph: ``error`` is the int8 graph's noise-to-signal ratio
+    (sum of squared differences from fp32 over sum of squares, on the search inputs; ``sensitivity``
+    says of what), ``layers`` each layer with what that ratio drops by when it alone runs in fp32, the
+    largest drop first, and ``prefixes`` the ratio and whether the accuracy rule passes (on the
+    search inputs) with the first k of them in fp32, k = 1, 2, ..."""
+
+    error: float
+    layers: tuple[tuple[str, float], ...]
+    prefixes: tuple[tuple[float, bool], ...] = ()
+
+    @property
+    def order(self) -> list[str]:
+        return [name for name, _ in self.layers]
+
+    def first_passing(self) -> int | None:
+        """The fewest layers of the order in fp32 that pass the rule in eager, if any prefix does."""
+        return next((k for k, (_, passed) in enumerate(self.prefixes, 1) if passed), None)
+
+
+def sensitivity(
+    model: torch.nn.Module,
+    profile: Profile,
+    vp: VariantPlan,
+    hint: dict[str, int],
+    calibration: Sequence[Sample],
+    *,
+    search: int = 32,
+    prefixes: int = 0,
+) -> Sensitivity:
+    """Rank the int8 layers of ``vp`` (those ``quantization.keep`` does not already keep) by how much
+    the int8 graph's error drops when each one alone stays fp32, on the first ``search`` calibration
+    inputs inside ``vp``'s ranges (never the gate's held-out ones); then the error and whether the
+    accuracy rule passes with the first 1 … ``prefixes`` of that order in fp32. A layer is made fp32 by
+    bypassing its input's quantize/dequantize (``_in_fp32``): one calibration for the whole search
+    (PT2E's observers see fp32 values, whichever layers are kept, so the scales are the same), where
+    keeping the layer for real (``quantization.keep``) calibrates again.
+
+    The error is the mean of two noise-to-signal ratios: the floating outputs', and that of the
+    features the last layer reads (a classifier's input): a head of a few logits alone says too little
+    to rank fifty layers by."""
+    ep = export_model(model, profile, vp.ranges, hint)
+    samples = [args for sizes, args in calibration if inside(sizes, vp.ranges)]
+    samples = samples or [args for _, args in fallback_inputs(profile, vp.ranges)]
+    converted = static_int8(ep.module(), profile.quantization, samples)
+    inputs = samples[:search]
+    layers = quantizable_layers(converted)
+    last = [n for n in converted.graph.nodes if layers and _layer_of(n) == layers[-1]]
+    with torch.no_grad():
+        want = [_features(model, layers[-1] if last else None, args) for args in inputs]
+
+    def error(bypassed: Sequence[str]) -> tuple[float, bool]:
+        with _in_fp32(converted, bypassed), torch.no_grad():
+            got = [_Recorder(converted, last[-1] if last else None).outputs(args) for args in inputs]
+        ratios = [_noise_to_signal([w[0] for w in want], [g[0] for g in got])]
+        if all(w[1] is not None and g[1] is not None and w[1].shape == g[1].shape for w, g in zip(want, got)):
+            ratios.append(_noise_to_signal([[w[1]] for w in want], [[g[1]] for g in got]))
+        entries = accuracy_entries(profile, [(w[0], g[0]) for w, g in zip(want, got)])
+        return sum(ratios) / len(ratios), all(a["passed"] for a in entries)
+
+    kept = set(kept_layers(ep.module(), profile.quantization.keep))
+    base, _ = error(())
+    drops = [(name, base - error((name,))[0]) for name in layers if name not in kept]
+    ranked = tuple(sorted(drops, key=lambda x: -x[1]))
+    order = [n for n, _ in ranked]
+    return Sensitivity(base, ranked, tuple(error(order[:k]) for k in range(1, min(prefixes, len(order)) + 1)))
+
+
+def _noise_to_signal(want: Sequence[Sequence[torch.Tensor]], got: Sequence[Sequence[Any]]) -> float:
+    """Sum of squared differences over sum of squares, over every floating tensor of ``want``."""
+    pairs = [(w.double(), g.double()) for ws, gs in zip(want, got) for w, g in zip(ws, gs) if w.is_floating_point()]
+    signal = sum(float(w.pow(2).sum()) for w, _ in pairs)
+    return sum(float((w - g).pow(2).sum()) for w, g in pairs) / max(signal, 1e-30)
+
+
+def _features(model: torch.nn.Module, layer: str | None, args: tuple) -> tuple[list[torch.Tensor], Any]:
+    """fp32 eager's flat outputs for ``args``, and the input of module ``layer`` (None: not asked, or
+    no such module)."""
+    seen: list[torch.Tensor] = []
+    try:
+        module = model.get_submodule(layer) if layer else None
+    except AttributeError:
+        module = None
+    hook = module.register_forward_pre_hook(lambda _, a: seen.append(a[0].detach())) if module is not None else None
+    try:
+        out = flatten(run_eager(model, args))
+    finally:
+        if hook is not None:
+            hook.remove()
+    return out, (seen[-1] if seen else None)
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs a graph, keeping the value the node ``watch`` takes as its first input."""
+
+    def __init__(self, graph: torch.fx.GraphModule, watch: torch.fx.Node | None):
+        super().__init__(graph)
+        self.watch, self.seen = watch, None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n is self.watch and isinstance(n.args[0], torch.fx.Node):
+            self.seen = self.env[n.args[0]]
+        return super().run_node(n)
+
+    def outputs(self, args: tuple) -> tuple[list[torch.Tensor], Any]:
+        return flatten(self.run(*args)), self.seen
+
+
+def _layer_of(node: torch.fx.Node) -> str | None:
+    """The module name of a convolution or linear node (as ``quantizable_layers`` names it), else None."""
+    if node.op != "call_function" or getattr(node.target, "__name__", "").split(".")[0] not in QUANTIZABLE:
+        return None
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0].removeprefix("L['self'].") if stack else None
+
+
+@contextlib.contextmanager
+def _in_fp32(converted: torch.fx.GraphModule, layers: Sequence[str]):
+    """``converted`` (PT2E's quantize/dequantize graph) with the convolution and linear nodes of
+    ``layers`` taking their input before its quantize/dequantize pair while inside: fp32 activations,
+    the weight still rounded to int8 per channel (where little of the error is: batch norms are
+    folded into the weights, so no fp32 weight of the graph's own is at hand)."""
+    changed = []
+    for node in converted.graph.nodes:
+        if _layer_of(node) not in layers:
+            continue
+        x = node.args[0]
+        if isinstance(x, torch.fx.Node) and "dequantize_per" in str(x.target):
+            q = x.args[0]
+            if isinstance(q, torch.fx.Node) and str(q.target).startswith("quantized_decomposed.quantize_per"):
+                changed.append((node, node.args))
+                node.args = (q.args[0], *node.args[1:])
+    converted.recompile()
+    try:
+        yield
+    finally:
+        for node, args in changed:
+            node.args = args
+        converted.recompile()

@@ -44,3 +44,32 @@ def encoder(vocab: int = 50, width: int = 64):
 
 def convnet():
     return ConvNet().eval()
+
+
+class OutlierNet(torch.nn.Module):
+    """A conv net with one quantization-sensitive layer: c1's first output channel is 5000× the others,
+    so c2's input, quantized per tensor to uint8, keeps almost nothing of the other 15 channels. c2
+    barely reads that channel (its weights there are 1e-4×), so in fp32 the outlier goes no further:
+    int8 with c2 alone in fp32 is as accurate as the plain conv net's, with every layer int8 it is not."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.c3 = torch.nn.Conv2d(32, 32, 3, padding=1, stride=2)
+        self.fc = torch.nn.Linear(32, 10)
+        with torch.no_grad():
+            self.c1.weight[0] *= 5000.0
+            self.c1.bias[0] = 5000.0
+            self.c2.weight[:, 0] *= 1e-4
+
+    def forward(self, x):
+        x = torch.relu(self.c1(x))
+        x = torch.relu(self.c2(x))
+        x = torch.relu(self.c3(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def outlier():
+    return OutlierNet().eval()
