@@ -38,6 +38,7 @@ COPY ${ARTIFACT} /srv/artifact
 ENV PRECOMPILE_CACHE=/var/cache/precompile \
     PRECOMPILE_STATE=/var/lib/precompile \
     OMP_WAIT_POLICY=PASSIVE \
+    GOMP_SPINCOUNT=10000 \
     PYTHONUNBUFFERED=1
 # OMP_NUM_THREADS is left unset on purpose: the server sizes its threads to the CPUs the container
 # gets (its cgroup CPU quota: `docker run --cpus`, a Kubernetes CPU limit) and its affinity mask.

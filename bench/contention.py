@@ -64,9 +64,12 @@ def p50(client, body: dict, requests: int, seconds: float) -> float:
 
 
 SCENARIOS = {
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # what precompile serve sets
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # what precompile serve sets (and its spin, loader.threads.wait_env)
+    "sleep": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},  # sleep at once (serve's default before)
+    "spin-1000": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"},  # about 10 µs, then sleep
+    "spin-3000": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"},
+    "short-spin": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "10000"},  # about 0.1 ms, then sleep
     "spin": {"OMP_WAIT_POLICY": "ACTIVE"},  # OpenMP threads spin between parallel regions
-    "short-spin": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "10000"},  # spin briefly, then sleep
 }
 
 

@@ -25,14 +25,14 @@ import os as _os
 import sys as _sys
 from typing import Any
 
-from .constants import WAIT_POLICY_ENV as _WAIT_POLICY_ENV
 from .threads import onednn_cache_env as _onednn_cache_env
+from .threads import wait_env as _wait_env
 
 # OpenMP reads its wait policy once, when torch loads it: before that, the policy that keeps a shared
-# host fair (idle threads sleep instead of spinning beside other work; `precompile serve` sets the
-# same) can still be chosen. The user's own setting wins; after torch, load() warns instead.
+# host fair (idle threads sleep, after a short spin, instead of spinning beside other work; `precompile
+# serve` sets the same) can still be chosen. The user's own setting wins; after torch, load() warns instead.
 if "torch" not in _sys.modules:
-    _os.environ.setdefault(_WAIT_POLICY_ENV, "PASSIVE")
+    _os.environ.update(_wait_env())
 # oneDNN sizes its kernel caches at their first use; a dynamic variant needs more entries than its
 # default keeps (loader.threads.onednn_cache_env).
 _os.environ.update(_onednn_cache_env())

@@ -22,7 +22,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .constants import WAIT_POLICY_ENV
+from .constants import SPIN_COUNT, SPIN_COUNT_ENV, WAIT_POLICY_ENV
 
 THREADS_ENV = "OMP_NUM_THREADS"
 
@@ -216,16 +216,31 @@ def physical_cores(cpus: str | os.PathLike = "/sys/devices/system/cpu") -> int:
     return len(cores) or os.cpu_count() or 1
 
 
-def openmp_env(
-    threads: int | None = None, *, workers: int = 1, environ: dict[str, str] | None = None
-) -> dict[str, str]:
-    """The OpenMP settings to add before the runtime starts: ``OMP_WAIT_POLICY=PASSIVE`` (idle threads
-    sleep instead of spinning) unless the user set a policy, and ``OMP_NUM_THREADS`` = ``threads``
-    when given, else (unless the user set it) each of ``workers``' share of the CPUs this process gets."""
+def wait_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """How idle OpenMP threads wait, what is to be added to ``environ`` (default ``os.environ``) before
+    the runtime starts: ``OMP_WAIT_POLICY=PASSIVE`` unless a policy is set, so a thread idle between
+    calls sleeps instead of spinning beside other work; and, where the policy is passive, a short spin
+    first (``GOMP_SPINCOUNT``, ``constants.SPIN_COUNT``: about 0.1 ms) unless one is set, so the
+    parallel regions of one call (one per kernel, microseconds apart) do not each pay a wake-up.
+    ``GOMP_SPINCOUNT=0`` sleeps at once."""
     environ = os.environ if environ is None else environ
     env = {}
     if WAIT_POLICY_ENV not in environ:
         env[WAIT_POLICY_ENV] = "PASSIVE"
+    policy = environ.get(WAIT_POLICY_ENV, env.get(WAIT_POLICY_ENV, "")).strip().lower()
+    if policy == "passive" and SPIN_COUNT_ENV not in environ:
+        env[SPIN_COUNT_ENV] = SPIN_COUNT
+    return env
+
+
+def openmp_env(
+    threads: int | None = None, *, workers: int = 1, environ: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The OpenMP settings to add before the runtime starts: how idle threads wait (``wait_env``: sleep
+    after a short spin) unless the user chose, and ``OMP_NUM_THREADS`` = ``threads``
+    when given, else (unless the user set it) each of ``workers``' share of the CPUs this process gets."""
+    environ = os.environ if environ is None else environ
+    env = wait_env(environ)
     if threads is not None:
         env[THREADS_ENV] = str(threads)
     elif THREADS_ENV not in environ:

@@ -121,7 +121,7 @@ def test_serve_adds_the_wait_policy_and_thread_count_but_keeps_the_users():
     from precompile.serve.server import serving_env
 
     env = serving_env(2, environ={})
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["GOMP_SPINCOUNT"] == "10000"
     assert env["OMP_NUM_THREADS"] == str(max(1, cpu_allowance().cpus // 2))
     assert serving_env(1, environ={"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"}) == {}
 
@@ -195,8 +195,8 @@ def test_a_bad_compile_threads_value_stops_the_build_with_one_line(tmp_path, mon
 
 
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter, with OMP_WAIT_POLICY unset unless given."""
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "PYTHONPATH")}
+    """``code`` in a fresh interpreter, with OMP_WAIT_POLICY and GOMP_SPINCOUNT unset unless given."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "PYTHONPATH")}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env={**base, **env},
@@ -208,11 +208,14 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_importing_loader_before_torch_makes_openmp_sleep_when_idle():
-    # libgomp prints the settings it started with: GOMP_SPINCOUNT 0 is the passive policy in effect.
+    # libgomp prints the settings it started with: a spin of 10,000 (about 0.1 ms) before sleeping,
+    # where torch alone spins for 300,000 (3 ms) and PASSIVE alone for 0.
     result = python("import os, loader, torch; print(os.environ['OMP_WAIT_POLICY'])", OMP_DISPLAY_ENV="VERBOSE")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "PASSIVE"
-    assert "GOMP_SPINCOUNT = '0'" in result.stderr
+    assert "GOMP_SPINCOUNT = '10000'" in result.stderr
+    chosen = python("import loader, torch", OMP_DISPLAY_ENV="VERBOSE", GOMP_SPINCOUNT="0")  # the user's own wins
+    assert "GOMP_SPINCOUNT = '0'" in chosen.stderr
 
 
 def test_the_users_wait_policy_is_kept():

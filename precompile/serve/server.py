@@ -26,16 +26,15 @@ def serving_env(workers: int, environ: dict[str, str] | None = None) -> dict[str
 
     - ``OMP_WAIT_POLICY=PASSIVE``: idle OpenMP threads sleep instead of spinning, so a server on a
       shared host keeps about its fair share beside neighbours (measured on 2 cores beside a torch
-      process and a busy loop: p50 6.6× its quiet p50 spinning, 2.7× passive);
+      process and a busy loop: p50 6.6× its quiet p50 spinning, 2.7× passive), after a spin of about
+      0.1 ms (``GOMP_SPINCOUNT``, ``loader.threads.wait_env``) that keeps one call's threads awake;
     - ``OMP_NUM_THREADS``: each worker's share of the CPUs this process really gets (affinity and
       cgroup quota, not the host's core count).
     """
-    from loader.threads import WAIT_POLICY_ENV, cpu_allowance
+    from loader.threads import cpu_allowance, wait_env
 
     environ = os.environ if environ is None else environ
-    env = {}
-    if WAIT_POLICY_ENV not in environ:
-        env[WAIT_POLICY_ENV] = "PASSIVE"
+    env = wait_env(environ)
     if "OMP_NUM_THREADS" not in environ:
         env["OMP_NUM_THREADS"] = str(max(1, cpu_allowance().cpus // workers))
     return env
