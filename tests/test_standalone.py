@@ -71,6 +71,32 @@ def test_the_build_says_each_variant_is_standalone(artifact, tmp_path):
     assert "libgomp" in needed and "libtorch" not in needed and "libc10" not in needed
 
 
+def test_the_gemm_micro_kernels_are_one_vector_wide(artifact):
+    """A wider register block (8x48 on AVX-512) keeps a copy of its accumulators in memory under the
+    build's GCC, one store per FMA (precompile.standalone.single_vector_blocks); a one-vector block
+    does not."""
+    manifest = json.loads((artifact / C.MANIFEST_FILE).read_text())
+    lanes = 16 if manifest["target"]["cpu_capability"] == "AVX512" else 8  # fp32 lanes of one vector
+    (variant,) = manifest["variants"]
+    with zipfile.ZipFile(artifact / variant["file"]) as z:
+        source = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".cpp"))
+    blocks = {(int(m), int(n)) for m, n in re.findall(r"micro_gemm_kernel<(\d+), (\d+), accum", source)}
+    assert blocks and {n for _, n in blocks} == {lanes}, sorted(blocks)
+
+
+def test_only_the_standalone_compile_narrows_the_blocks():
+    import torch._inductor.compile_fx  # noqa: F401  (before cpp_micro_gemm, which alone is a circular import)
+    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec, micro_gemm_configs
+
+    def widths() -> set[int]:
+        return {c.register_blocking.block_n for c in micro_gemm_configs[CppMicroGemmFP32Vec]}
+
+    before = widths()
+    with standalone.single_vector_blocks():
+        narrowed = widths()
+    assert 48 in before and 48 not in narrowed and 16 in narrowed and widths() == before
+
+
 CHILD = textwrap.dedent(
     """
     import json, sys

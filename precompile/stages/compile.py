@@ -101,7 +101,7 @@ def _compile_standalone(
 
     try:
         shim = standalone.artifact_shim(staging)
-        with warnings.catch_warnings(), torch.no_grad(), pinned_vector_isa(isa):
+        with warnings.catch_warnings(), torch.no_grad(), pinned_vector_isa(isa), standalone.single_vector_blocks():
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(
                 standalone.decompose(ep), package_path=str(raw), inductor_configs=standalone.inductor_options(configs)

@@ -13,7 +13,11 @@ generate code for (``aoti_torch_cpu__linear_pointwise``, ``..._scaled_dot_produc
   attention's two bmms are when the sequence length varies: those are decomposed into a multiply and
   a sum, which Inductor generates as a loop; a linear on a 3-d input (a bmm over one expanded
   weight) becomes one mm;
-- the library is linked without libtorch (``aot_inductor.link_libtorch=False``: no DT_NEEDED on it).
+- the library is linked without libtorch (``aot_inductor.link_libtorch=False``: no DT_NEEDED on it);
+- the FP32 micro-kernel's register block is one vector wide (``single_vector_blocks``): GCC 12 keeps
+  a copy of every accumulator of a wider block (8x48, 8x32 on AVX-512; 4x24, 4x16 on AVX2) in memory,
+  one store per FMA in the innermost loop, which halves the kernel's speed; a 16x16 block (8x8 on
+  AVX2) stays in registers, its FMAs taking A broadcast from memory.
 
 What the library still calls, precompile's own shim provides (``shim.cpp``: refcounted, 64-byte
 aligned storage and strided views), compiled here with the compiler Inductor uses and shipped in the
@@ -23,11 +27,13 @@ unresolved (an extern kernel) makes it not standalone, and the build keeps the t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +64,31 @@ def without_option(options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 def inductor_options(configs: dict[str, Any]) -> dict[str, Any]:
     """Inductor's options for a standalone compile of what ``configs`` compiles."""
     return {**configs, **INDUCTOR_OPTIONS}
+
+
+@contextlib.contextmanager
+def single_vector_blocks() -> Iterator[None]:
+    """Within the block, the C++ GEMM template's FP32 vector micro-kernel on x86 takes only register
+    blocks one vector wide (see the module's docstring).
+
+    A private entry point, as ``precompile.cpu_isa.pinned_vector_isa``'s: ``micro_gemm_configs`` is
+    the only place Inductor lists the blocks (``create_micro_gemm`` ranks them) and torch offers no
+    option to choose one. The executors run one compile at a time per process.
+    """
+    import torch._inductor.compile_fx  # noqa: F401  (cpp_micro_gemm imported first is a circular import)
+    from torch._inductor.codegen import cpp_micro_gemm as micro
+    from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512
+
+    configs = micro.micro_gemm_configs
+    original = configs[micro.CppMicroGemmFP32Vec]
+    lanes = {VecAVX512: 16, VecAVX2: 8}  # fp32 lanes of one vector
+    configs[micro.CppMicroGemmFP32Vec] = [
+        c for c in original if c.vec_isa_cls not in lanes or c.register_blocking.block_n == lanes[c.vec_isa_cls]
+    ]
+    try:
+        yield
+    finally:
+        configs[micro.CppMicroGemmFP32Vec] = original
 
 
 def refusal(e: BaseException) -> str:
