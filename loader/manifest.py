@@ -236,13 +236,19 @@ class Measurement:
 @dataclass(frozen=True)
 class AccuracyRecord:
     """How a lower-precision variant's output is compared with its fp32 reference: the gate's
-    ``metric`` and ``threshold`` (metric ``equal`` for outputs that are not floating point)."""
+    ``metric`` and ``threshold`` (metric ``equal`` for outputs that are not floating point), and
+    ``build_value``, the metric the variant reached on this reference's rows on the build host (at
+    their worst row; top1: the share agreeing). None in manifests written before it was recorded."""
 
     metric: str
     threshold: float
+    build_value: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "threshold": self.threshold}
+        out: dict[str, Any] = {"metric": self.metric, "threshold": self.threshold}
+        if self.build_value is not None:
+            out["build_value"] = self.build_value
+        return out
 
 
 @dataclass(frozen=True)
@@ -921,10 +927,24 @@ def _parse_reference(
     )
 
 
+# The values each metric's build_value can take (cosine of two rows, a share of rows, an error).
+BUILD_VALUE_RANGES = {"cosine": (-1.0, 1.0), "top1": (0.0, 1.0), "max_abs": (0.0, 1e300)}
+
+
 def _parse_accuracy(r: _Reader, value: Any, where: str) -> AccuracyRecord:
-    a = r.obj(value, where, ("metric", "threshold"))
+    a = r.obj(value, where, ("metric", "threshold", "build_value"), optional=("build_value",))
     metric = r.str(a["metric"], f"{where}.metric", IDENT_RE)
-    return AccuracyRecord(metric, r.number(a["threshold"], f"{where}.threshold"))
+    built = None
+    if a.get("build_value") is not None:
+        if metric not in BUILD_VALUE_RANGES:
+            raise r.fail(
+                f"{where}.build_value", f"metric {metric!r} has no build value (only {', '.join(BUILD_VALUE_RANGES)})"
+            )
+        lo, hi = BUILD_VALUE_RANGES[metric]
+        built = r.number(a["build_value"], f"{where}.build_value", lo=lo - 1e-9)  # a cosine's rounding
+        if built > hi + 1e-9:
+            raise r.fail(f"{where}.build_value", f"{built!r} is above {hi:g}, the most a {metric} can be")
+    return AccuracyRecord(metric, r.number(a["threshold"], f"{where}.threshold"), built)
 
 
 def _parse_output_dims(

@@ -162,6 +162,29 @@ def passes(rule: AccuracyRule, value: float) -> bool:
     return value <= rule.threshold if rule.metric == "max_abs" else value >= rule.threshold
 
 
+# How much more error than the build host's a serving host may show on a reference input and still
+# count as computing what the build host did: a quarter more (other thread counts sum in another
+# order), plus BUILD_SLACK for an error of about zero.
+BUILD_MARGIN = 0.25
+BUILD_SLACK = 1e-6
+
+
+def error_of(rule: AccuracyRule, value: float) -> float:
+    """``rule``'s ``value`` as an error, 0 the best: max_abs itself, 1 - cosine, 1 - the top1 share."""
+    return value if rule.metric == "max_abs" else 1.0 - value
+
+
+def reproduces(rule: AccuracyRule, value: float, built: float | None) -> bool:
+    """Whether a reference input's ``value`` on this host agrees with the build: at least as good as
+    the gate's threshold, or within BUILD_MARGIN of ``built``, the build host's own value on that
+    input (None, a manifest without it: the threshold alone)."""
+    if passes(rule, value):
+        return True
+    if built is None:
+        return False
+    return error_of(rule, value) <= error_of(rule, built) * (1 + BUILD_MARGIN) + BUILD_SLACK
+
+
 def accuracy_entries(
     profile: Profile, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[Any]]]
 ) -> list[dict[str, Any]]:

@@ -179,7 +179,8 @@ def finish(
     if len(paying) < len(kept):
         kept, manifest = paying, assemble_manifest(ctx, staging, paying, records)
     with progress.stage("write", "references and manifest"):
-        references = write_references(ctx.loaded, ctx.model, staging, [u.variant for u in kept])
+        opened = lambda vp: staged.every(vp.device, vp.isa)  # what the check stage ran, through the loader
+        references = write_references(ctx.loaded, ctx.model, staging, [u.variant for u in kept], opened)
         check = _check_section(ctx, report, references, measured, trials, gates)
         manifest = finish_manifest(ctx, staging, manifest, check=check, version=version, expires=expires)
         publish(staging, target)

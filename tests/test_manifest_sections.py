@@ -172,6 +172,27 @@ CASES: dict[str, tuple[Callable[[dict], None], str]] = {
         _set("check.references[0].accuracy", [{"metric": "cosine", "threshold": 0.99}]),
         "check.references[0].accuracy",
     ),
+    # build_value: what the variant reached on the reference input on the build host (verify --run)
+    "reference-build_value-a-string": (
+        _set("check.references[0].accuracy[0].build_value", "0.99"),
+        "check.references[0].accuracy[0].build_value",
+    ),
+    "reference-build_value-nan": (
+        _set("check.references[0].accuracy[0].build_value", float("nan")),
+        "check.references[0].accuracy[0].build_value",
+    ),
+    "reference-build_value-a-cosine-above-one": (
+        _set("check.references[0].accuracy[0].build_value", 1.5),
+        "check.references[0].accuracy[0].build_value",
+    ),
+    "reference-build_value-a-negative-max_abs": (
+        _set("check.references[0].accuracy[0]", {"metric": "max_abs", "threshold": 0.1, "build_value": -0.5}),
+        "check.references[0].accuracy[0].build_value",
+    ),
+    "reference-build_value-of-an-equal-output": (
+        _set("check.references[0].accuracy[0]", {"metric": "equal", "threshold": 1.0, "build_value": 1.0}),
+        "check.references[0].accuracy[0].build_value",
+    ),
     # check.measure: what the batcher decides padding on
     "measure-an-object": (_set("check.measure", {}), "check.measure"),
     "measure-entry-a-list": (_set("check.measure[0]", []), "check.measure[0]"),
