@@ -50,8 +50,9 @@ The int8 convolutions (PT2E's x86 quantizer, ``onednn.qconv_pointwise`` and
 the input's size is symbolic, and ideep then packs for a made-up input: the blocking oneDNN's brgemm
 wants at no real size for most 1×1 convolutions (38 of ResNet-50's 53 over batch 1-4 and 96-256²,
 probed), which oneDNN re-lays per call (``simple:any`` for a 1024×256 weight: ~5-10 ms a call). This
-pass probes them the same way, with ``qconv_prepack`` and the input's sizes (the format depends on
-neither the input's scale nor its zero point), repacks the weight (read back plain from Inductor's
+pass probes them the same way, with ``qconv_prepack`` and the input's sizes (in the probes the format
+depended on neither the input's scale nor its zero point; a zero point other than 0 is probed apart,
+as oneDNN compensates for it in the weight), repacks the weight (read back plain from Inductor's
 copy) for the hint where one format serves the range, and chooses per call where several do; the
 binary one (a residual addition fused in, its addend written in place, which a ``torch.cond``
 branch may not do) only in the first case.
@@ -154,7 +155,7 @@ def _formats(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: dict[tuple[Any
     if w.size(1) * groups == 1:
         return NONE
     key = (node.target, tuple(w.shape), w.dtype, *map(str, (padding, stride, dilation, groups)))
-    key += (*(str(s) for s in val.shape),)
+    key += (*(str(s) for s in val.shape), node.target is not CONVOLUTION and node.args[2] != 0)
     if key not in seen:
         seen[key] = group_by_layout(lambda size: _reorder(w, gm, node, size), probe_sizes(val.shape), probe_threads())
     return seen[key]
