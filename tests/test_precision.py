@@ -221,13 +221,15 @@ def pointwise_int8(tmp_path_factory):
 
 def test_dynamic_int8_convolutions_reorder_no_weight_per_call(pointwise_int8, tmp_path):
     # Inductor packs a dynamic int8 convolution's weight for no input size (precompile.passes.prepack):
-    # c3's then in a blocking oneDNN wants at no size, c4's at some (it wants two over the range, one
-    # at 16² and one at 48², chosen per call), and oneDNN re-lays them (s8 to s8) at every call.
+    # c3's then in a blocking oneDNN wants at no size, c4's and the shortcut's at some (they want two
+    # over the range, one at 16² and one at 48², chosen per call, the residual addition fused into
+    # one of them), and oneDNN re-lays them (s8 to s8) at every call.
     from .test_convnets import generated_code, onednn_reorder_lines
 
     (v,) = [v for v in pointwise_int8.manifest.variants if v.precision == "int8"]
     assert v.gate["kept"]
-    assert "_layout_branch" in generated_code(pointwise_int8.path)  # c4 chooses its weight per call
+    code = generated_code(pointwise_int8.path)
+    assert "_layout_branch" in code and "_qconv2d_pointwise_binary" in code  # chosen per call, the addition too
     hint = [v.hint["batch"], 3, v.hint["size"], v.hint["size"]]
     shapes = [[1, 3, 16, 16], [4, 3, 48, 48], hint]
     lines, outputs = onednn_reorder_lines(pointwise_int8.path, "int8", shapes, tmp_path)

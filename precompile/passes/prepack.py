@@ -53,9 +53,9 @@ probed), which oneDNN re-lays per call (``simple:any`` for a 1024×256 weight: ~
 pass probes them the same way, with ``qconv_prepack`` and the input's sizes (in the probes the format
 depended on neither the input's scale nor its zero point; a zero point other than 0 is probed apart,
 as oneDNN compensates for it in the weight), repacks the weight (read back plain from Inductor's
-copy) for the hint where one format serves the range, and chooses per call where several do; the
-binary one (a residual addition fused in, its addend written in place, which a ``torch.cond``
-branch may not do) only in the first case.
+copy) for the hint where one format serves the range, and chooses per call where several do (the
+binary one, a residual addition fused in, on a copy of its addend: it writes the addend in place,
+which a ``torch.cond`` branch may not do).
 
 Left as they are (plain weights, reordered per call by oneDNN's jitted reorder):
 
@@ -94,11 +94,12 @@ QUANTIZED = (
     torch.ops.onednn.qconv2d_pointwise.default,
     torch.ops.onednn.qconv2d_pointwise.binary,
 )
-# Those a cond's branch can call (the binary one writes its addend in place, which a branch may not),
-# each through its overload with the input's scale and zero point as tensors (``_quantized_call``).
+# The overloads a cond's branch calls them through, the input's scale and zero point as tensors
+# (``_quantized_call``); the binary one on a copy of its addend (``_binary_on_copy``).
 TENSOR_SCALES = {
     torch.ops.onednn.qconv_pointwise.default: torch.ops.onednn.qconv_pointwise.tensor,
     torch.ops.onednn.qconv2d_pointwise.default: torch.ops.onednn.qconv2d_pointwise.tensor,
+    torch.ops.onednn.qconv2d_pointwise.binary: torch.ops.onednn.qconv2d_pointwise.binary_tensor,
 }
 # Input sizes probed per convolution at most (about 0.5 ms each on a busy 2-core host): ResNet-50's
 # stage-one convolutions take 4 × 41 × 41 sizes over batch 1-4 and 96-256² images, all probed.
@@ -123,12 +124,7 @@ class PrepackConvolutions(CustomGraphPass):
                 found = _formats(gm, node, seen)
                 if len(found.groups) == 1 and not found.mixed:
                     _pack(gm, node)
-                elif (
-                    found.groups
-                    and len(found.groups) + bool(found.mixed) > 1
-                    and node.target in TENSOR_SCALES
-                    and _choosable(node, found)
-                ):
+                elif found.groups and len(found.groups) + bool(found.mixed) > 1 and _choosable(node, found):
                     _pick_per_call(gm, node, found)
 
     def uuid(self) -> Any:
@@ -500,13 +496,29 @@ def _quantized_call(
         value = torch.tensor(args[i], dtype=dtype)
         args[i] = _constant(gm, node, value, val.fake_mode.from_tensor(value))
     tensors = [a for a in args if isinstance(a, torch.fx.Node) and a is not weight]
-    target = TENSOR_SCALES[node.target]
+    target = _binary_on_copy if node.target is QUANTIZED[2] else TENSOR_SCALES[node.target]
 
     def call(places: list[torch.fx.Node], k: int) -> tuple[Any, tuple[Any, ...]]:
         swap = {**dict(zip(tensors, places)), weight: places[len(tensors) + k]}
         return target, tuple(swap.get(a, a) if isinstance(a, torch.fx.Node) else a for a in args)
 
     return tensors, call
+
+
+def _binary_on_copy(*args: Any) -> Any:
+    """``onednn.qconv2d_pointwise.binary_tensor`` on a copy of its addend, lowered by Inductor when the
+    branch is: the op writes its addend (argument 6) in place and returns it, and a ``torch.cond``
+    branch may not write its inputs (the copy is of one activation, far cheaper than the reorder of
+    a weight in the wrong blocking). A pass-through lowering as ``_add_fused``, private to Inductor."""
+    from torch._inductor.lowering import lowerings  # Inductor's lowering table, filled once it is imported
+
+    op = torch.ops.onednn.qconv2d_pointwise.binary_tensor
+    if isinstance(args[6], torch.Tensor):  # cond run on fake tensors (the FX passes' metadata)
+        return op(*args[:6], args[6].clone(), *args[7:])
+    return lowerings[op](*args[:6], lowerings[torch.ops.aten.clone.default](args[6]), *args[7:])
+
+
+_binary_on_copy._inductor_lowering_function = True  # type: ignore[attr-defined]
 
 
 def _branches(
