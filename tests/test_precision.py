@@ -90,22 +90,26 @@ def strict_gate(tmp_path_factory):
 @pytest.fixture(scope="session")
 def conv_int8(tmp_path_factory):
     """The conv net in int8 (static), its stem kept in fp32 and activations calibrated by percentile."""
-    folder = tmp_path_factory.mktemp("conv")
+    return build_int8_conv(tmp_path_factory.mktemp("conv"), "convnet")
+
+
+def build_int8_conv(folder: Path, factory: str):
+    """``lowp:<factory>`` in int8 (static) over dynamic batch and image sizes, its stem kept in fp32."""
     profile = write(
         folder,
-        """
-        name: lowp-conv
-        model: {factory: "lowp:convnet"}
+        f"""
+        name: lowp-{factory}
+        model: {{factory: "lowp:{factory}"}}
         inputs:
-          x: {shape: [batch, 3, size, size], dtype: float32}
+          x: {{shape: [batch, 3, size, size], dtype: float32}}
         dims:
-          batch: {min: 1, max: 4}
-          size:  {min: 16, max: 48}
-        plan: {max_specialized: 0}
+          batch: {{min: 1, max: 4}}
+          size:  {{min: 16, max: 48}}
+        plan: {{max_specialized: 0}}
         precision: [int8]
-        accuracy: {metric: cosine, threshold: 0.98, min_speedup: 0}
-        calibration: {samples: 8}
-        quantization: {observer: percentile, keep: [first]}
+        accuracy: {{metric: cosine, threshold: 0.98, min_speedup: 0}}
+        calibration: {{samples: 8}}
+        quantization: {{observer: percentile, keep: [first]}}
         """,
     )
     return build(profile, folder / "artifact")
@@ -117,12 +121,17 @@ def encoder_inputs(batch: int, seq: int, seed: int = 5):
 
 
 def eager_encoder():
+    return lowp_models().encoder()
+
+
+def lowp_models():
+    """tests/models/lowp.py, imported from its file (as the build imports a factory's module)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("lowp_eager", MODELS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.encoder()
+    return module
 
 
 # --- the build ---------------------------------------------------------------------------------
@@ -201,13 +210,39 @@ def test_int8_static_quantizes_a_conv_net_with_calibration(conv_int8):
     x = torch.randn(2, 3, 40, 40, generator=torch.Generator().manual_seed(3))
     out, variant = model.call_detailed(x)
     assert variant == v.id
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("lowp_conv", MODELS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    want = module.convnet()(x)
+    want = lowp_models().convnet()(x)
     assert torch.nn.functional.cosine_similarity(out, want).min() > 0.98
+
+
+@pytest.fixture(scope="module")
+def pointwise_int8(tmp_path_factory):
+    """A conv net with 1×1 convolutions (``lowp.Pointwise``) in int8 (static) with dynamic sizes."""
+    return build_int8_conv(tmp_path_factory.mktemp("pointwise"), "pointwise")
+
+
+def test_dynamic_int8_convolutions_reorder_no_weight_per_call(pointwise_int8, tmp_path):
+    # Inductor packs a dynamic int8 convolution's weight for no input size (precompile.passes.prepack):
+    # c3's then in a blocking oneDNN wants at no size, c4's and the shortcut's at some (they want two
+    # over the range, one at 16² and one at 48², chosen per call, the residual addition fused into
+    # one of them), and oneDNN re-lays them (s8 to s8) at every call.
+    from .test_convnets import generated_code, onednn_reorder_lines
+
+    (v,) = [v for v in pointwise_int8.manifest.variants if v.precision == "int8"]
+    assert v.gate["kept"]
+    code = generated_code(pointwise_int8.path)
+    assert "_layout_branch" in code and "_qconv2d_pointwise_binary" in code  # chosen per call, the addition too
+    hint = [v.hint["batch"], 3, v.hint["size"], v.hint["size"]]
+    shapes = [[1, 3, 16, 16], [4, 3, 48, 48], hint]
+    lines, outputs = onednn_reorder_lines(pointwise_int8.path, "int8", shapes, tmp_path)
+    assert len(lines) == 2 * len(shapes) + 1
+    for call, found in lines.items():
+        assert not [line for line in found if "src:s8" in line], call
+    model = lowp_models().pointwise()
+    for shape, got in zip(shapes, outputs):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+        with torch.no_grad():
+            want = model(x)
+        assert torch.nn.functional.cosine_similarity(got, want).min() > 0.98
 
 
 # --- loading -----------------------------------------------------------------------------------

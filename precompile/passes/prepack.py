@@ -44,6 +44,19 @@ each format oneDNN asks for over the sizes the convolution's input takes over th
 
     configs["post_grad_custom_pre_pass"] = PrepackConvolutions()   # stages.compile, when freezing
 
+The int8 convolutions (PT2E's x86 quantizer, ``onednn.qconv_pointwise`` and
+``qconv2d_pointwise.binary``) are packed by Inductor's freezing itself (``fx_passes/quantization.py``,
+``qconv_weight_prepack``: ``onednn.qconv_prepack(..., x_shape)``), but with ``x_shape=None`` when
+the input's size is symbolic, and ideep then packs for a made-up input: the blocking oneDNN's brgemm
+wants at no real size for most 1×1 convolutions (38 of ResNet-50's 53 over batch 1-4 and 96-256²,
+probed), which oneDNN re-lays per call (``simple:any`` for a 1024×256 weight: ~5-10 ms a call). This
+pass probes them the same way, with ``qconv_prepack`` and the input's sizes (in the probes the format
+depended on neither the input's scale nor its zero point; a zero point other than 0 is probed apart,
+as oneDNN compensates for it in the weight), repacks the weight (read back plain from Inductor's
+copy) for the hint where one format serves the range, and chooses per call where several do (the
+binary one, a residual addition fused in, on a copy of its addend: it writes the addend in place,
+which a ``torch.cond`` branch may not do).
+
 Left as they are (plain weights, reordered per call by oneDNN's jitted reorder):
 
 - a convolution whose format varies and whose input is not channels-last (the model's own image,
@@ -75,6 +88,19 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, has_free_symbols, optimization_hint
 
 CONVOLUTION = torch.ops.mkldnn._convolution_pointwise.default
+# Inductor's int8 convolutions (PT2E x86 quantizer), their weights packed by its freezing pass.
+QUANTIZED = (
+    torch.ops.onednn.qconv_pointwise.default,
+    torch.ops.onednn.qconv2d_pointwise.default,
+    torch.ops.onednn.qconv2d_pointwise.binary,
+)
+# The overloads a cond's branch calls them through, the input's scale and zero point as tensors
+# (``_quantized_call``); the binary one on a copy of its addend (``_binary_on_copy``).
+TENSOR_SCALES = {
+    torch.ops.onednn.qconv_pointwise.default: torch.ops.onednn.qconv_pointwise.tensor,
+    torch.ops.onednn.qconv2d_pointwise.default: torch.ops.onednn.qconv2d_pointwise.tensor,
+    torch.ops.onednn.qconv2d_pointwise.binary: torch.ops.onednn.qconv2d_pointwise.binary_tensor,
+}
 # Input sizes probed per convolution at most (about 0.5 ms each on a busy 2-core host): ResNet-50's
 # stage-one convolutions take 4 × 41 × 41 sizes over batch 1-4 and 96-256² images, all probed.
 MAX_PROBES = 8192
@@ -94,6 +120,12 @@ class PrepackConvolutions(CustomGraphPass):
                     _pack(gm, node)
                 elif found.groups and len(found.groups) + bool(found.mixed) > 1 and _choosable(node, found):
                     _pick_per_call(gm, node, found)
+            elif node.op == "call_function" and node.target in QUANTIZED:
+                found = _formats(gm, node, seen)
+                if len(found.groups) == 1 and not found.mixed:
+                    _pack(gm, node)
+                elif found.groups and len(found.groups) + bool(found.mixed) > 1 and _choosable(node, found):
+                    _pick_per_call(gm, node, found)
 
     def uuid(self) -> Any:
         return get_hash_for_files((__file__,))  # Inductor's cache keys on this: a change here recompiles
@@ -106,22 +138,49 @@ def _formats(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: dict[tuple[Any
     ``seen``: the layouts per convolution already probed in this graph (the format depends on the
     weight's shape and dtype, the convolution's arguments and the input's sizes, never on the
     weight's values)."""
-    x, weight = node.args[0], node.args[1]
+    x, weight = node.args[0], _argument(node, "weight")
     val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor) or not has_free_symbols(val.shape):
         return NONE  # packed by Inductor already
     if not isinstance(weight, torch.fx.Node) or weight.op != "get_attr":
         return NONE
-    w = attrgetter(weight.target)(gm)
-    if not isinstance(w, torch.Tensor) or w.is_mkldnn or w.device.type != "cpu":
+    w = _plain_weight(gm, node)
+    if w is None:
         return NONE
-    groups = node.args[6]
+    stride, padding, dilation, groups = (_argument(node, a) for a in ("stride", "padding", "dilation", "groups"))
     if w.size(1) * groups == 1:
         return NONE
-    key = (tuple(w.shape), w.dtype, *map(str, node.args[3:7]), *(str(s) for s in val.shape))
+    key = (node.target, tuple(w.shape), w.dtype, *map(str, (padding, stride, dilation, groups)))
+    key += (*(str(s) for s in val.shape), node.target is not CONVOLUTION and node.args[2] != 0)
     if key not in seen:
-        seen[key] = group_by_layout(lambda size: _reorder(w, node, size), probe_sizes(val.shape), probe_threads())
+        seen[key] = group_by_layout(lambda size: _reorder(w, gm, node, size), probe_sizes(val.shape), probe_threads())
     return seen[key]
+
+
+def _argument(node: torch.fx.Node, name: str) -> Any:
+    """``node``'s argument ``name`` (the weight: ``weight`` of the fp32 op, ``qw`` of the int8 ones)."""
+    if node.target is CONVOLUTION:
+        return node.args[{"weight": 1, "padding": 3, "stride": 4, "dilation": 5, "groups": 6}[name]]
+    names = [a.name for a in node.target._schema.arguments]
+    return node.args[names.index("qw" if name == "weight" else name)]
+
+
+def _plain_weight(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor | None:
+    """The frozen weight of ``node`` in its plain layout: the fp32 op's as it is (None if oneDNN's
+    already); the int8 ops' from the copy Inductor packed for no size (its pass passes no input
+    size when it is symbolic, and ideep then packs for a made-up one, module docstring), unless
+    its input's scale and zero point are tensors (then it stays as it is)."""
+    w = attrgetter(_argument(node, "weight").target)(gm)
+    if not isinstance(w, torch.Tensor) or w.device.type != "cpu":
+        return None
+    if node.target is CONVOLUTION:
+        return None if w.is_mkldnn else w
+    scales = _argument(node, "w_scale")
+    if not (w.is_mkldnn and isinstance(scales, torch.fx.Node) and scales.op == "get_attr"):
+        return None
+    if isinstance(node.args[1], torch.fx.Node) or isinstance(node.args[2], torch.fx.Node):
+        return None
+    return w.to_dense()
 
 
 class Layouts(NamedTuple):
@@ -235,11 +294,16 @@ def _spread(values: list[Any], k: int) -> list[Any]:
     return [values[round(i * (len(values) - 1) / (k - 1))] for i in range(k)]
 
 
-def _reorder(w: torch.Tensor, node: torch.fx.Node, size: list[int]) -> torch.Tensor:
-    """``w`` packed the way oneDNN wants it for an input of ``size``: the call Inductor's own pass
-    makes for a static size (``mkldnn_fusion.pack_conv_weight``), private to torch."""
-    _, _, _, padding, stride, dilation, groups = node.args[:7]
-    return torch.ops.mkldnn._reorder_convolution_weight(w, padding, stride, dilation, groups, size)
+def _reorder(w: torch.Tensor, gm: torch.fx.GraphModule, node: torch.fx.Node, size: list[int]) -> torch.Tensor:
+    """``w`` (plain) packed the way oneDNN wants it for an input of ``size``: the calls Inductor's own
+    passes make for a static size (``mkldnn_fusion.pack_conv_weight``, ``quantization.py``'s
+    ``qconv_weight_prepack``), private to torch."""
+    stride, padding, dilation, groups = (_argument(node, a) for a in ("stride", "padding", "dilation", "groups"))
+    if node.target is CONVOLUTION:
+        return torch.ops.mkldnn._reorder_convolution_weight(w, padding, stride, dilation, groups, size)
+    scales = attrgetter(_argument(node, "w_scale").target)(gm)
+    x_scale, x_zero_point = node.args[1:3]
+    return torch.ops.onednn.qconv_prepack(w, scales, x_scale, x_zero_point, stride, padding, dilation, groups, size)
 
 
 def layout(packed: torch.Tensor) -> bytes:
@@ -250,20 +314,13 @@ def layout(packed: torch.Tensor) -> bytes:
 
 
 def _pack(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    x, weight, _, padding, stride, dilation, groups = node.args[:7]
-    hint = [optimization_hint(s) for s in x.meta["val"].shape]
-    packed = _reorder(attrgetter(weight.target)(gm), node, hint)
-    # The helper freezing turns a folded value into a frozen constant with (private to Inductor).
-    graph = gm.graph
-    with graph.inserting_before(node):
-        pack = graph.call_function(
-            torch.ops.mkldnn._reorder_convolution_weight.default, (weight, padding, stride, dilation, groups, hint)
-        )
-    pack.meta.update(weight.meta)
-    node.replace_input_with(weight, pack)
-    replace_node_with_constant(gm, pack, packed)
+    """``node``'s weight packed for the hint, a frozen constant (freezing's helper, ``_constant``)."""
+    weight = _argument(node, "weight")
+    hint = [optimization_hint(s) for s in node.args[0].meta["val"].shape]
+    packed = _reorder(_plain_weight(gm, node), gm, node, hint)
+    node.replace_input_with(weight, _constant(gm, node, packed, weight.meta.get("val")))
     if not weight.users:
-        graph.erase_node(weight)
+        gm.graph.erase_node(weight)
 
 
 def _choosable(node: torch.fx.Node, found: Layouts) -> bool:
@@ -299,7 +356,7 @@ def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts
     a ReLU, that Inductor would fuse into the convolution are fused into each branch (the fusion
     patterns run after this pass and cannot see into a branch)."""
     graph = gm.graph
-    x, weight, bias = node.args[:3]
+    x, weight = node.args[0], _argument(node, "weight")
     val = x.meta["val"]
     formats = [*found.groups, found.mixed] if found.mixed else found.groups
     dims = [d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt)]
@@ -310,10 +367,18 @@ def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts
     for k, group in enumerate(formats):
         for size in group:
             choice[tuple(size[d] - lo for d, lo in zip(dims, low))] = k
-    other, unary, last = _epilogue(node)
-    w = attrgetter(weight.target)(gm)
+    if node.target is CONVOLUTION:
+        other, unary, last = _epilogue(node)
+        tensors = [t for t in (x, other, node.args[2]) if isinstance(t, torch.fx.Node)]
+        call = _conv_call(node, other, unary, len(tensors))
+    else:  # Inductor's freezing fused its epilogue already
+        last = node
+        tensors, call = _quantized_call(gm, node)
+    w = _plain_weight(gm, node)
     with graph.inserting_before(last):  # after the addend, which may come after the convolution
-        packed = [_constant(gm, last, _reorder(w, node, group[0]), weight.meta.get("val")) for group in found.groups]
+        packed = [
+            _constant(gm, last, _reorder(w, gm, node, group[0]), weight.meta.get("val")) for group in found.groups
+        ]
         if found.mixed:
             packed.append(weight)
         index = [graph.call_function(operator.sub, (_sym_size(graph, x, d), lo)) for d, lo in zip(dims, low)]
@@ -328,9 +393,7 @@ def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts
                 p = graph.call_function(torch.ops.aten.select.int, (p, 0, i))
                 p.meta["val"] = p_val
             predicates.append(p)
-        tensors = [t for t in (x, other, bias) if isinstance(t, torch.fx.Node)]
         operands = (*tensors, *packed, *predicates[1:])
-        call = _conv_call(node, other, unary, len(tensors))
         out_val = last.meta["val"]
         branches = _branches(gm, graph, [o.meta["val"] for o in operands], call, 0, len(formats), out_val)
         cond = graph.call_function(torch.ops.higher_order.cond, (predicates[0], *branches, operands))
@@ -417,6 +480,45 @@ def _conv_call(
         )
 
     return call
+
+
+def _quantized_call(
+    gm: torch.fx.GraphModule, node: torch.fx.Node
+) -> tuple[list[torch.fx.Node], Callable[[list[torch.fx.Node], int], tuple[Any, tuple[Any, ...]]]]:
+    """The tensor operands a branch's int8 convolution reads (but its weights), and how it calls
+    ``node`` on its placeholders (those, then the weights) with weight ``k``: through the op's
+    overload whose input scale and zero point are tensors, frozen constants of ``gm`` (Inductor's
+    lowering makes a float's a constant of the graph being lowered, and AOTInductor's C++ then
+    names one made inside a branch without declaring it: the build does not compile)."""
+    weight, val = _argument(node, "weight"), node.args[0].meta["val"]
+    args = list(node.args)
+    for i, dtype in ((1, torch.float32), (2, torch.int32)):
+        value = torch.tensor(args[i], dtype=dtype)
+        args[i] = _constant(gm, node, value, val.fake_mode.from_tensor(value))
+    tensors = [a for a in args if isinstance(a, torch.fx.Node) and a is not weight]
+    target = _binary_on_copy if node.target is QUANTIZED[2] else TENSOR_SCALES[node.target]
+
+    def call(places: list[torch.fx.Node], k: int) -> tuple[Any, tuple[Any, ...]]:
+        swap = {**dict(zip(tensors, places)), weight: places[len(tensors) + k]}
+        return target, tuple(swap.get(a, a) if isinstance(a, torch.fx.Node) else a for a in args)
+
+    return tensors, call
+
+
+def _binary_on_copy(*args: Any) -> Any:
+    """``onednn.qconv2d_pointwise.binary_tensor`` on a copy of its addend, lowered by Inductor when the
+    branch is: the op writes its addend (argument 6) in place and returns it, and a ``torch.cond``
+    branch may not write its inputs (the copy is of one activation, far cheaper than the reorder of
+    a weight in the wrong blocking). A pass-through lowering as ``_add_fused``, private to Inductor."""
+    from torch._inductor.lowering import lowerings  # Inductor's lowering table, filled once it is imported
+
+    op = torch.ops.onednn.qconv2d_pointwise.binary_tensor
+    if isinstance(args[6], torch.Tensor):  # cond run on fake tensors (the FX passes' metadata)
+        return op(*args[:6], args[6].clone(), *args[7:])
+    return lowerings[op](*args[:6], lowerings[torch.ops.aten.clone.default](args[6]), *args[7:])
+
+
+_binary_on_copy._inductor_lowering_function = True  # type: ignore[attr-defined]
 
 
 def _branches(
