@@ -11,18 +11,17 @@ the binding lacks would raise a TypeError from deep inside a load.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import constants as C
-from .errors import IncompatibleArtifactError
-from .native.libs import MIXED, shim_in_global_scope
+from .errors import IncompatibleArtifactError, LoaderError
+from .native.libs import MIXED, TorchLibraries, expose_libtorch, shim_in_global_scope
 
 METHODS = ("__init__", "load_constants", "run", "get_constant_fqns", "get_metadata")
 
@@ -155,10 +154,9 @@ def _expose_libtorch() -> bool:
     a standalone variant (``precompile.standalone``): its library is linked without libtorch, so the
     C shim it calls must be found in the global scope. Once, and only when such a variant is opened.
     Whether it was done."""
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     try:
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL | getattr(os, "RTLD_NOLOAD", 0))
-    except OSError:
+        expose_libtorch(TorchLibraries(Path(torch.__file__).parent, torch.__version__, torch.version.cuda))
+    except LoaderError:
         return False
     return True
 
