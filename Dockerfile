@@ -24,6 +24,10 @@ FROM python:${PYTHON}-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG EXTRAS=serve
 ARG ARTIFACT=artifacts/text-classifier
+# tcmalloc: `precompile serve` preloads it (--malloc auto), which keeps each call's buffers for the next
+# instead of glibc's bookkeeping and page faults (loader/malloc.py: MobileNetV2 1.43 -> 0.97 ms a call at 1x96^2).
+RUN apt-get update && apt-get install -y --no-install-recommends libtcmalloc-minimal4 \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=wheel /wheels /wheels
 COPY constraints.txt /tmp/constraints.txt
 RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX}" -c /tmp/constraints.txt \

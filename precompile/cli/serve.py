@@ -159,6 +159,18 @@ if TYPE_CHECKING:
         "when the manifest records every CPU variant as runnable without torch, else torch)."
     ),
 )
+@click.option(
+    "--malloc",
+    default="auto",
+    show_default=True,
+    envvar="PRECOMPILE_MALLOC",
+    metavar="auto|tcmalloc|jemalloc|system|PATH",
+    help=(
+        "The memory allocator the server runs on (preloaded: the server re-executes itself with it): auto "
+        "(tcmalloc where installed, e.g. apt-get install libtcmalloc-minimal4; else glibc's), a named one, "
+        "system (glibc's), or a library's path. An allocator already in LD_PRELOAD is kept."
+    ),
+)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")
 @click.option(
     "--log-level",
@@ -194,6 +206,7 @@ def serve(
     max_queue: int,
     precision: str,
     runtime: str,
+    malloc: str,
     no_verify: bool,
     log_level: str,
 ) -> None:
@@ -245,6 +258,10 @@ def serve(
     if grpc_port and grpc_port == port:
         raise click.UsageError(f"--grpc-port {grpc_port} is --port too: give gRPC a port of its own")
 
+    from loader.malloc import resolve
+
+    resolve(malloc)  # an allocator that is not installed, or a path that is not a library: refused now
+
     from ..serve.codec import body_limit
     from ..serve.config import ServeConfig
     from ..serve.server import run
@@ -290,7 +307,7 @@ def serve(
     # drain that a stop asked for (docker stop, a pod's termination) ends with status 0, not 143.
     signal.signal(signal.SIGTERM, _stopped)
     try:
-        run(config, host=host, port=port, workers=workers, log_level=log_level)
+        run(config, host=host, port=port, workers=workers, log_level=log_level, malloc=malloc)
     except PortTaken as e:
         raise click.ClickException(f"--port {port}: {e}") from None
 

@@ -66,6 +66,7 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _log_allocator()
         models.start()
         try:
             if config.workers > 1:  # uvicorn listens after this: a worker takes connections once it can serve
@@ -156,6 +157,17 @@ def _named(request: Request) -> tuple[str | None, str | None]:
     """The model and version a route's path names ({name}, {version}; None where it has none). Read
     from the path, not as parameters: FastAPI would make a path's missing ones query parameters."""
     return request.path_params.get("name"), request.path_params.get("version")
+
+
+def _log_allocator() -> None:
+    """Say which memory allocator this server process runs on (``precompile serve --malloc``)."""
+    from loader.malloc import in_use
+
+    allocator = in_use()
+    if allocator == "system":
+        log.info("memory allocator: glibc's malloc (tcmalloc is faster per call: install it, see --malloc)")
+    else:
+        log.info("memory allocator: %s (preloaded)", allocator)
 
 
 def log_to_stderr(level: str) -> None:
