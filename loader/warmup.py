@@ -3,8 +3,8 @@ shape its ranges hold (every dim at its max), so that a later first call at any 
 buffers already mapped.
 
 What a first call at a shape no call met pays over the steady call at that shape (``bench.firstcall``;
-one thread, CPU time, ``perf`` samples and ``ONEDNN_VERBOSE`` counts of ResNet-50, MobileNetV2 and
-EfficientNet-B0 artifacts of ``bench.vision``, 8 to 20 unseen shapes each):
+one thread, CPU time, ``perf`` samples and ``ONEDNN_VERBOSE`` counts of the five artifacts of
+``bench.vision``, 8 to 20 unseen shapes each):
 
 - oneDNN creating a primitive for each convolution at that shape: its descriptor (the brgemm
   convolution's cost model over blockings) and then the JIT of its kernels, about as much of each;
@@ -17,9 +17,11 @@ primitive (``brgemm_containers``: the global kernel storage is compiled out), so
 shapes leaves an unseen one's creation as it was: ResNet-50 created 195 primitives over 8 unseen
 shapes cold, 194 after warming the largest shape and 166 after warming 64 random ones (only layers
 deep enough for two image sizes to meet in one size). Memory is what a warm-up can give: after one
-call at the largest shape, the first calls at those shapes fault 6 to 40 times less
-(``loader.warmup``'s README section has the counts), and the convolutions' first run is as fast as
-the steady one.
+call at the largest shape the allocator holds buffers of every size a call can need: 10 first calls
+at unseen shapes fault 30× less for ResNet-50 on glibc (16× on tcmalloc), 4× (17×) for MobileNetV2,
+3× (16×) for EfficientNet-B0, 1.2 to 4× for RegNet-Y and Segformer (glibc maps buffers over 32 MB
+afresh on every call; the README's "The loader" has the table); and their convolutions run about as
+fast as in the steady call.
 
 ``warmup_shapes`` (``loader.load``): ``"auto"`` (the default) warms the largest shape when its
 estimated time (the hint's warm-up call scaled by the number of elements) fits ``BUDGET_SECONDS``;
