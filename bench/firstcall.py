@@ -81,7 +81,7 @@ def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dic
             times = [_timed(model, v.id, args) for _ in range(repeat)]
             steady = statistics.median(t[0] for t in times)
             rows.append({
-                "artifact": str(path), "warmup": warmup_shapes, "load_s": load_s, "warmed": warmed,
+                "artifact": str(path), "model": model.name, "warmup": warmup_shapes, "load_s": load_s, "warmed": warmed,
                 "variant": v.id, "precision": v.precision, "dims": sizes,
                 "first_ms": first, "steady_ms": steady, "ratio": first / steady,
                 "first_cpu_ms": first_cpu, "steady_cpu_ms": statistics.median(t[1] for t in times),
@@ -122,8 +122,8 @@ def _input(torch: Any, spec: Any, sizes: dict[str, int], rng: random.Random) -> 
 
 
 def _name(r: dict[str, Any]) -> str:
-    """A row's artifact (its folder's name) and the load's warm-up mode."""
-    return f"{Path(r['artifact']).name} [warm-up: {r.get('warmup', 'hint')}]"
+    """A row's model (its manifest's name; the artifact's folder where it failed) and the load's warm-up mode."""
+    return f"{r.get('model') or Path(r['artifact']).name} [warm-up: {r.get('warmup', 'hint')}]"
 
 
 def report(rows: list[dict[str, Any]]) -> str:
