@@ -1,16 +1,21 @@
 """The first call at a shape no call met before, against the steady call at that shape, per dynamic variant.
 
-    .venv/bin/python -m bench.firstcall ARTIFACT [ARTIFACT ...] [--shapes 3] [--repeat 20] [--out firstcall.json]
+    .venv/bin/python -m bench.firstcall ARTIFACT [ARTIFACT ...] [--shapes 3] [--repeat 20]
+        [--warmup-shapes hint auto] [--out firstcall.json]
 
-Prints one row per shape, then one line per artifact (``summary``): the median and worst ratio.
+Prints one row per shape, then one line per artifact and warm-up (``summary``): the median and worst ratio.
 
-Each artifact is loaded in a fresh process, as a server loads it (``loader.load``: every variant warmed
-up on its hint shape). Then, for each dynamic variant, ``--shapes`` shapes drawn inside its ranges
-(none of them the hint): the first call's time, then the median of ``--repeat`` calls of the same
-shape. What the first call pays over the steady one is oneDNN compiling its kernels for the shape
-and ideep planning it (``loader.threads.onednn_cache_env``). Target (issue 22): first ≤ 1.5× steady.
+Each artifact is loaded in a fresh process per ``--warmup-shapes`` mode, as a server loads it
+(``loader.load``: every variant warmed up on its hint shape; with ``auto`` or ``range``, a dynamic
+variant on the largest shape of its ranges too, ``loader.warmup``). Then, for each dynamic variant,
+``--shapes`` shapes drawn inside its ranges (none of them the hint, the same in every mode): the first
+call's time, then the median of ``--repeat`` calls of the same shape; beside the wall times, the
+process's CPU time and minor page faults of the first call and of a steady one, which depend far
+less on the machine's load. What the first call pays over the steady one is oneDNN creating its
+primitives for the shape (descriptor and JIT), and fresh pages for buffers larger than any met before
+(what the largest shape's warm-up takes away). Target (issue 22): first ≤ 1.5× steady.
 
-Run it on a quiet machine; on a busy one the ratios say little.
+Run it on a quiet machine; on a busy one the wall-time ratios say little.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,57 +34,79 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.5  # first call / steady call
+# The load's warm-up modes compared (loader.warmup): the hint alone, as before, and the default.
+WARMUPS = ("hint", "auto")
 
 
-def measure(artifacts: list[Path], *, shapes: int = 3, repeat: int = 20) -> list[dict[str, Any]]:
-    """One row per (artifact, dynamic variant, shape), each artifact measured in its own process."""
+def measure(
+    artifacts: list[Path], *, shapes: int = 3, repeat: int = 20, warmups: tuple[str, ...] = WARMUPS
+) -> list[dict[str, Any]]:
+    """One row per (artifact, warm-up mode, dynamic variant, shape), each artifact and mode measured
+    in its own process, on the same shapes in every mode."""
     rows: list[dict[str, Any]] = []
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     for path in artifacts:
-        run = subprocess.run(
-            [sys.executable, "-m", "bench.firstcall", "--child", str(path), "--shapes", str(shapes), "--repeat", str(repeat)],
-            cwd=ROOT, env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if run.returncode != 0:
-            rows.append({"artifact": str(path), "failed": run.stderr.strip().splitlines()[-1:] or ["exit"]})
-            continue
-        rows += json.loads(run.stdout.strip().splitlines()[-1])
+        for mode in warmups:
+            run = subprocess.run(
+                [sys.executable, "-m", "bench.firstcall", "--child", str(path), "--shapes", str(shapes),
+                 "--repeat", str(repeat), "--warmup-shapes", mode],
+                cwd=ROOT, env=env, capture_output=True, text=True,
+            )  # fmt: skip
+            if run.returncode != 0:
+                failed = run.stderr.strip().splitlines()[-1:] or ["exit"]
+                rows.append({"artifact": str(path), "warmup": mode, "failed": failed})
+                continue
+            rows += json.loads(run.stdout.strip().splitlines()[-1])
     return rows
 
 
-def _child(path: Path, shapes: int, repeat: int) -> list[dict[str, Any]]:
+def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dict[str, Any]]:
     import torch
 
-    import loader
+    import loader.warmup
 
-    model = loader.load(path)
+    start = time.perf_counter()
+    model = loader.load(path, warmup_shapes=warmup_shapes, open="eager")
+    load_s = time.perf_counter() - start
     rng = random.Random(22)
     rows = []
     for v in model.manifest.variants:
         if v.kind != "dynamic" or v.id not in model.variant_precision:
             continue
+        warmed = model.warmed.get(v.id, [])
         for _ in range(shapes):
-            sizes = {d: _unseen(rng, r.min, r.max, v.hint.get(d)) for d, r in v.dims.items()}
+            sizes = _unseen(rng, v, [dict(v.hint), loader.warmup.largest(v)])
             args = [_input(torch, spec, sizes, rng) for spec in model.manifest.inputs]
-            start = time.perf_counter()
-            model.run_variant(v.id, *args)
-            first = (time.perf_counter() - start) * 1000
-            times = []
-            for _ in range(repeat):
-                start = time.perf_counter()
-                model.run_variant(v.id, *args)
-                times.append((time.perf_counter() - start) * 1000)
-            steady = statistics.median(times)
+            first, first_cpu, first_faults = _timed(model, v.id, args)
+            times = [_timed(model, v.id, args) for _ in range(repeat)]
+            steady = statistics.median(t[0] for t in times)
             rows.append({
-                "artifact": str(path), "variant": v.id, "precision": v.precision, "dims": sizes,
+                "artifact": str(path), "model": model.name, "warmup": warmup_shapes, "load_s": load_s, "warmed": warmed,
+                "variant": v.id, "precision": v.precision, "dims": sizes,
                 "first_ms": first, "steady_ms": steady, "ratio": first / steady,
+                "first_cpu_ms": first_cpu, "steady_cpu_ms": statistics.median(t[1] for t in times),
+                "first_faults": first_faults, "steady_faults": statistics.median(t[2] for t in times),
             })  # fmt: skip
     return rows
 
 
-def _unseen(rng: random.Random, lo: int, hi: int, hint: int | None) -> int:
-    choices = [n for n in range(lo, hi + 1) if n != hint] or [lo]
-    return rng.choice(choices)
+def _timed(model: Any, variant_id: str, args: list) -> tuple[float, float, int]:
+    """One call: wall ms, this process's CPU ms (every thread), minor page faults."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu, start = time.process_time(), time.perf_counter()
+    model.run_variant(variant_id, *args)
+    wall, cpu = (time.perf_counter() - start) * 1000, (time.process_time() - cpu) * 1000
+    return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+
+def _unseen(rng: random.Random, v: Any, warmable: list[Any], tries: int = 100) -> dict[str, int]:
+    """Sizes inside ``v``'s ranges that no warm-up mode runs (so that every mode meets the same
+    shapes); where the ranges hold no other, the last drawn."""
+    for _ in range(tries):
+        sizes = {d: rng.randint(r.min, r.max) for d, r in v.dims.items()}
+        if sizes not in warmable:
+            break
+    return sizes
 
 
 def _input(torch: Any, spec: Any, sizes: dict[str, int], rng: random.Random) -> Any:
@@ -93,38 +121,53 @@ def _input(torch: Any, spec: Any, sizes: dict[str, int], rng: random.Random) -> 
     return torch.randint(int(lo), int(hi) + 1, shape, generator=gen, dtype=dtype)
 
 
+def _name(r: dict[str, Any]) -> str:
+    """A row's model (its manifest's name; the artifact's folder where it failed) and the load's warm-up mode."""
+    return f"{r.get('model') or Path(r['artifact']).name} [warm-up: {r.get('warmup', 'hint')}]"
+
+
 def report(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'artifact':<28} {'variant':<16} {'dims':<34} {'first ms':>9} {'steady ms':>9} {'ratio':>6}"]
+    lines = [
+        f"{'artifact [warm-up]':<36} {'variant':<12} {'dims':<30} {'first ms':>9} {'steady ms':>9} {'ratio':>6}"
+        f" {'cpu ms first/steady':>20} {'faults first/steady':>20}"
+    ]
     for r in rows:
         if "failed" in r:
-            lines.append(f"{Path(r['artifact']).name:<28} failed: {r['failed'][0]}")
+            lines.append(f"{_name(r):<36} failed: {r['failed'][0]}")
             continue
         dims = " ".join(f"{d}={n}" for d, n in r["dims"].items())
         flag = "" if r["ratio"] <= TARGET else f"  > {TARGET}×"
+        cpu = f"{r['first_cpu_ms']:.1f}/{r['steady_cpu_ms']:.1f}"
+        faults = f"{r['first_faults']}/{r['steady_faults']:g}"
         lines.append(
-            f"{Path(r['artifact']).name:<28} {r['variant']:<16} {dims:<34} {r['first_ms']:9.2f} "
-            f"{r['steady_ms']:9.2f} {r['ratio']:6.2f}{flag}"
+            f"{_name(r):<36} {r['variant']:<12} {dims:<30} {r['first_ms']:9.2f} "
+            f"{r['steady_ms']:9.2f} {r['ratio']:6.2f} {cpu:>20} {faults:>20}{flag}"
         )
     return "\n".join(lines)
 
 
 def per_artifact(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per artifact (by its folder's name): its shapes' median and worst first/steady ratio, and
-    whether the worst meets ``TARGET``; an artifact that failed says so."""
+    """Per artifact and warm-up mode (``name [warm-up: mode]``): its shapes' median and worst
+    first/steady ratio, whether the worst meets ``TARGET``, the first calls' page faults in all and
+    the load's seconds; an artifact that failed says so."""
     out: dict[str, dict[str, Any]] = {}
-    for name in dict.fromkeys(Path(r["artifact"]).name for r in rows):
-        mine = [r for r in rows if Path(r["artifact"]).name == name]
-        ratios = [r["ratio"] for r in mine if "failed" not in r]
-        if not ratios:
+    for name in dict.fromkeys(_name(r) for r in rows):
+        mine = [r for r in rows if _name(r) == name]
+        done = [r for r in mine if "failed" not in r]
+        if not done:
             out[name] = {"failed": mine[0].get("failed", ["no dynamic variant"])[0]}
             continue
+        ratios = [r["ratio"] for r in done]
         worst = max(ratios)
-        out[name] = {"shapes": len(ratios), "median": statistics.median(ratios), "worst": worst, "met": worst <= TARGET}
+        out[name] = {
+            "shapes": len(ratios), "median": statistics.median(ratios), "worst": worst, "met": worst <= TARGET,
+            "first_faults": sum(r["first_faults"] for r in done), "load_s": done[0]["load_s"],
+        }  # fmt: skip
     return out
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """One line per artifact: the first call against the steady one over its unseen shapes."""
+    """One line per artifact and warm-up mode: the first call against the steady one over its unseen shapes."""
     lines = []
     for name, s in per_artifact(rows).items():
         if "failed" in s:
@@ -133,25 +176,30 @@ def summary(rows: list[dict[str, Any]]) -> str:
         verdict = "met" if s["met"] else "not met"
         lines.append(
             f"{name}: first call {s['median']:.2f}× the steady one (median of {s['shapes']} unseen shapes), "
-            f"worst {s['worst']:.2f}×: target ≤ {TARGET}× {verdict}"
+            f"worst {s['worst']:.2f}×: target ≤ {TARGET}× {verdict}; {s['first_faults']} page faults in "
+            f"the first calls, load {s['load_s']:.2f} s"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
-    import loader  # noqa: F401  before torch: OpenMP's wait policy, oneDNN's cache sizes
+    import loader.warmup  # loader before torch: OpenMP's wait policy, oneDNN's cache sizes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("artifacts", nargs="+", type=Path)
     parser.add_argument("--shapes", type=int, default=3, help="unseen shapes per dynamic variant")
     parser.add_argument("--repeat", type=int, default=20, help="calls timed for the steady median")
+    parser.add_argument(
+        "--warmup-shapes", nargs="+", default=list(WARMUPS), choices=loader.warmup.WARMUP_SHAPES,
+        help="the load's warm-up modes to compare, each in its own process (loader.warmup)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.artifacts[0], args.shapes, args.repeat)))
+        print(json.dumps(_child(args.artifacts[0], args.shapes, args.repeat, args.warmup_shapes[0])))
         return
-    rows = measure(args.artifacts, shapes=args.shapes, repeat=args.repeat)
+    rows = measure(args.artifacts, shapes=args.shapes, repeat=args.repeat, warmups=tuple(args.warmup_shapes))
     print(report(rows))
     print(summary(rows))
     if args.out:

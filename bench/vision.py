@@ -21,7 +21,8 @@ each of ``--rounds`` rounds every method runs its share of calls in turn, so tha
 machine's load falls on every method alike; on the range's two ends, the variant's hint and two
 random shapes: fp32 eager, the artifact and its unfrozen build, ONNX Runtime, OpenVINO with its defaults (bf16 on CPUs
 with AMX) and OpenVINO f32, each checked against eager on the same inputs. Then, per model, the
-first call at shapes the artifact never met against the steady call (``bench.firstcall``). Prints
+first call at shapes the artifact never met against the steady call, after the hint-only warm-up
+and after the default one (``bench.firstcall``). Prints
 and writes the median ms per shape, their sum and each method's ratio to ONNX Runtime.
 
 ``--reorders``: what does not depend on the machine's load: per model and shape, the reorders oneDNN
@@ -301,7 +302,7 @@ def summary(results: list[dict[str, Any]]) -> str:
             lines.append(f"  {label:<28} {total:9.1f} ms  {ratio}   max rel. error {err:.1e}")
         for label, why in r["failed_methods"].items():
             lines.append(f"  {label:<28} failed: {why}")
-        lines.append("  " + firstcall.summary(r["first_call"]))
+        lines += ["  " + line for line in firstcall.summary(r["first_call"]).splitlines()]
     return "\n".join(lines)
 
 

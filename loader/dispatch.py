@@ -22,6 +22,7 @@ from .outputs import unflatten
 from .policy import ArrayOps, Plan, Policies
 from .precision import Choice
 from .shapes import ShapeGuard
+from .warmup import DEFAULT_WARMUP_SHAPES, after_hint
 from .weights import MappedWeights
 
 # Distinct shapes remembered by stats(); beyond this, calls are counted in shapes_not_tracked.
@@ -61,6 +62,8 @@ class ServedModel:
         self._single_tensor = manifest.output.kind == "tensor"
         self._stats_lock = threading.Lock()
         self._warm = threading.local()  # .done: this thread ran warmup() (warm_thread)
+        self.warmup_shapes = DEFAULT_WARMUP_SHAPES  # which shapes warm_variant runs (loader.warmup)
+        self.warmed: dict[str, list[dict[str, int]]] = {}  # the sizes each variant's last warm-up ran
         self.opening: threading.Thread | None = None  # opens the variants not open yet (loader.opening)
         self.reset_stats()
 
@@ -220,9 +223,20 @@ class ServedModel:
         self._warm.done = True
 
     def warm_variant(self, variant_id: str) -> None:
-        """Run one variant once on its hint shape (opening it first if it is not open yet)."""
+        """Run one variant once on its hint shape (opening it first if it is not open yet), then, as
+        ``warmup_shapes`` says, on the largest shape of its ranges (``loader.warmup``); ``warmed``
+        records the sizes run."""
         variant = next(v for v in self._variants if v.id == variant_id)
+        runner = self._runners[variant_id]
+        if isinstance(runner, OnDemand):
+            runner.get()  # opened first, so that the hint's time below is the call's alone
+        start = time.perf_counter()
         self.run_variant(variant_id, *self.example_inputs(variant))
+        ran = [dict(variant.hint)]
+        for sizes in after_hint(variant, self.warmup_shapes, time.perf_counter() - start):
+            self.run_variant(variant_id, *self.example_inputs(variant, sizes))
+            ran.append(sizes)
+        self.warmed[variant_id] = ran
 
     def is_open(self, variant_id: str) -> bool:
         """Whether the variant's compiled code is open (``load(open=...)`` may leave some for later)."""
@@ -249,12 +263,13 @@ class ServedModel:
         if not getattr(self._warm, "done", False):
             self.warmup()
 
-    def example_inputs(self, variant: Variant) -> list:
-        """Valid inputs at ``variant``'s hint shape (for warm-up and probes), each filled with its
-        smallest valid value (0 may be outside an integer input's range)."""
+    def example_inputs(self, variant: Variant, sizes: dict[str, int] | None = None) -> list:
+        """Valid inputs at ``variant``'s hint shape, or at ``sizes`` (for warm-up and probes), each
+        filled with its smallest valid value (0 may be outside an integer input's range)."""
+        sizes = variant.hint if sizes is None else sizes
         return [
             self._full(
-                [variant.hint[s] if isinstance(s, str) else s for s in spec.shape],
+                [sizes[s] if isinstance(s, str) else s for s in spec.shape],
                 spec.range.min if spec.range is not None else 0,
                 spec.dtype,
             )

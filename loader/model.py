@@ -30,6 +30,7 @@ from .policy import ArrayOps
 from .precision import REQUESTS, Choice, choose
 from .source import Opened, open_artifact
 from .threads import concurrent_runners, fit_threads
+from .warmup import DEFAULT_WARMUP_SHAPES, check_warmup_shapes
 from .weights import MappedWeights
 
 
@@ -122,6 +123,7 @@ def load(
     precision: str = "auto",
     max_bytes: int | None = None,
     warmup: bool = True,
+    warmup_shapes: str = DEFAULT_WARMUP_SHAPES,
     cpu_isa: str = AUTO,
     open: str = DEFAULT_OPEN,
 ) -> CompiledModel:
@@ -155,6 +157,11 @@ def load(
       new shape on a dynamic variant is still slower the first time (oneDNN compiles its kernels for
       it); ``import loader`` sizes oneDNN's caches so that the shapes already met stay compiled
       (``loader.threads.onednn_cache_env``).
+    - ``warmup_shapes``: what the warm-up runs on a dynamic variant after its hint. ``"auto"`` (default):
+      the largest shape its ranges hold too, when that call's estimate (the hint's time scaled by the
+      elements) fits ``loader.warmup.BUDGET_SECONDS``, so a first call at any shape finds its buffers
+      mapped (``loader.warmup``); ``"range"``: always; ``"hint"``: the hint only. ``model.warmed``
+      says what ran.
     - ``cpu_isa``: an artifact built for several CPU ISAs (the profile's ``cpu.isa``) serves, by default
       (``"auto"``), the variants of the best one this CPU runs (``native`` first, then ``x86-64-v4``,
       ``x86-64-v3``); naming one (``"x86-64-v3"``) serves that one, e.g. for the same numerics on every
@@ -178,6 +185,7 @@ def load(
     if precision not in REQUESTS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
     check_open_mode(open)
+    check_warmup_shapes(warmup_shapes)
     fit_threads(threads)
     opened = open_artifact(
         path,
@@ -214,6 +222,7 @@ def load(
             precision=choice,
             isa=isa,
         )
+        model.warmup_shapes = warmup_shapes
         if warmup:
             try:
                 model.warmup()

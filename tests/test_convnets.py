@@ -412,16 +412,54 @@ def test_a_convnet_compiles_frozen_unless_its_profile_says_otherwise():
 def test_the_first_call_bench_sets_each_unseen_shape_against_its_steady_call(gray):
     from bench import firstcall
 
-    rows = firstcall.measure([gray.path], shapes=2, repeat=3)  # in a fresh process, as a server loads it
-    hints = {v.id: v.hint for v in gray.manifest.variants if v.kind == "dynamic"}
+    rows = firstcall.measure([gray.path], shapes=2, repeat=3)  # a fresh process per warm-up mode, as a server loads
+    dynamic = {v.id: v for v in gray.manifest.variants if v.kind == "dynamic"}
     assert rows and all("failed" not in r for r in rows)
-    assert {r["variant"] for r in rows} <= set(hints) and len(rows) == 2 * len({r["variant"] for r in rows})
-    for r in rows:  # shapes the load's warm-up never met
-        assert r["dims"] != hints[r["variant"]] and r["ratio"] == pytest.approx(r["first_ms"] / r["steady_ms"])
-    (name,) = firstcall.per_artifact(rows)
-    said = firstcall.per_artifact(rows)[name]
-    assert said["shapes"] == len(rows) and said["worst"] == max(r["ratio"] for r in rows)
-    assert name in firstcall.summary(rows) and f"{said['worst']:.2f}×" in firstcall.summary(rows)
+    assert {r["warmup"] for r in rows} == set(firstcall.WARMUPS) == {"hint", "auto"}
+    by_mode = {m: [(r["variant"], r["dims"]) for r in rows if r["warmup"] == m] for m in firstcall.WARMUPS}
+    assert by_mode["hint"] == by_mode["auto"]  # the same shapes, with and without the largest shape's warm-up
+    assert {vid for vid, _ in by_mode["hint"]} <= set(dynamic) and len(by_mode["hint"]) == 2 * len(
+        {vid for vid, _ in by_mode["hint"]}
+    )
+    for r in rows:  # shapes no warm-up met
+        assert r["dims"] not in r["warmed"] and r["ratio"] == pytest.approx(r["first_ms"] / r["steady_ms"])
+        assert len(r["warmed"]) == (1 if r["warmup"] == "hint" else 2)
+    said = firstcall.per_artifact(rows)
+    assert len(said) == 2
+    for name, s in said.items():
+        mine = [r for r in rows if f"[warm-up: {r['warmup']}]" in name]
+        assert s["shapes"] == len(mine) and s["worst"] == max(r["ratio"] for r in mine)
+        assert s["first_faults"] == sum(r["first_faults"] for r in mine)
+        assert name in firstcall.summary(rows) and f"{s['worst']:.2f}×" in firstcall.summary(rows)
+
+
+# Loads the artifact in a fresh process (warm-up as argv[2] says, or the default) under oneDNN's verbose
+# log of primitive creations, then calls it once at the largest shape its ranges hold.
+FIRST_AT_LARGEST = """
+import sys, torch, loader
+path, mode = sys.argv[1], sys.argv[2]
+model = loader.load(path, open="eager") if mode == "default" else loader.load(path, open="eager", warmup_shapes=mode)
+(v,) = [v for v in model.variants if v.kind == "dynamic" and v.precision == "fp32"]
+shape = [v.dims[d].max if isinstance(d, str) else d for d in model.manifest.inputs[0].shape]
+print("=== first", flush=True)
+model.run_variant(v.id, torch.randn(shape))
+print("=== end", flush=True)
+"""
+
+
+def test_after_the_default_warm_up_a_call_at_the_range_s_largest_shape_creates_no_onednn_primitive(gray):
+    """Its buffers were allocated and touched at load (loader.warmup); with the hint alone the first
+    such call creates every convolution's primitive then."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create", "OMP_WAIT_POLICY": "PASSIVE"}
+    created = {}
+    for mode in ("default", "hint"):
+        run = subprocess.run(
+            [sys.executable, "-c", FIRST_AT_LARGEST, str(gray.path), mode],
+            env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        first = run.stdout.split("=== first\n", 1)[1].split("=== end", 1)[0]
+        created[mode] = first.count(",create:cache_miss,")
+    assert created["default"] == 0 and created["hint"] >= 5  # the gray net's 5 pointwise convolutions
 
 
 def test_a_one_pixel_convolution_becomes_a_dense_layer_and_computes_the_same():

@@ -34,6 +34,7 @@ from ..opening import DEFAULT_OPEN, OnDemand, check_open_mode, open_variants, st
 from ..precision import REQUESTS, Choice, choose
 from ..source import Opened, open_artifact
 from ..threads import concurrent_runners
+from ..warmup import DEFAULT_WARMUP_SHAPES, check_warmup_shapes
 from ..weights import MappedWeights
 from .capi import NUMPY_DTYPES, CallFailed, Container, Shim
 from .libs import (
@@ -117,6 +118,7 @@ def load_native(
     precision: str = "auto",
     max_bytes: int | None = None,
     warmup: bool = True,
+    warmup_shapes: str = DEFAULT_WARMUP_SHAPES,
     cpu_isa: str = AUTO,
     open: str = DEFAULT_OPEN,
 ) -> NativeModel:
@@ -144,6 +146,7 @@ def load_native(
     if precision not in REQUESTS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
     check_open_mode(open)
+    check_warmup_shapes(warmup_shapes)
     torch = find_torch()
     # Opening torch's libraries overlaps the checks below; it opens nothing of the artifact. Not
     # opened at all where every CPU variant is standalone (it runs on the artifact's own shim).
@@ -178,6 +181,7 @@ def load_native(
             [v.id for v in served], _opener(shim, opened, {v.id: v for v in served}, packages, weights), open
         )
         model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice, isa=isa)
+        model.warmup_shapes = warmup_shapes
         if warmup:
             model.warmup()
         opened.loaded()

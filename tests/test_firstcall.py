@@ -1,0 +1,90 @@
+"""The load's warm-up beyond the hint (loader.warmup): a dynamic variant is also run on the largest
+shape its ranges hold, so that a first call at any shape finds its buffers mapped; bounded by an
+estimate of that call's time; the same outputs after it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import loader
+from loader.warmup import BUDGET_SECONDS, after_hint, estimate_seconds, largest
+
+
+def inputs(batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50, (batch, seq), generator=gen), torch.ones(batch, seq, dtype=torch.bool)
+
+
+def test_a_dynamic_variant_warms_its_largest_shape_after_its_hint(tagger_build):
+    """(tagger_build: 2 static variants, 2 dynamic ones over seq [4,16] and [17,32], batch [1,8].)"""
+    model = loader.load(tagger_build.path, open="eager", warmup_shapes="range")
+    for v in model.variants:
+        if v.kind == "static":
+            assert model.warmed[v.id] == [v.hint]
+            continue
+        hint, big = model.warmed[v.id]
+        assert hint == v.hint and big == {d: r.max for d, r in v.dims.items()}
+        # inside the variant's ranges, through its guards: dispatch sends such a call to it
+        assert model.select(*model.example_inputs(v, big)).id == v.id
+
+
+def test_by_default_a_small_variant_warms_its_largest_shape_too(tagger_build):
+    model = loader.load(tagger_build.path, open="eager")
+    assert model.warmup_shapes == "auto"  # tiny calls: the largest shape's estimate fits the budget
+    assert all(len(model.warmed[v.id]) == (2 if v.kind == "dynamic" else 1) for v in model.variants)
+
+
+def test_hint_warms_the_hint_alone(tagger_build):
+    model = loader.load(tagger_build.path, open="eager", warmup_shapes="hint")
+    assert model.warmed == {v.id: [v.hint] for v in model.variants}
+
+
+def test_the_background_opener_warms_the_same_shapes(tagger_build):
+    model = loader.load(tagger_build.path, warmup_shapes="range")  # open="background": the first before returning
+    assert model.wait_opened(60)
+    eager = loader.load(tagger_build.path, open="eager", warmup_shapes="range")
+    assert model.warmed == eager.warmed
+
+
+def test_warming_the_largest_shape_changes_no_output(tagger_build):
+    cold = loader.load(tagger_build.path, open="eager", warmup=False)
+    warm = loader.load(tagger_build.path, open="eager", warmup_shapes="range")
+    for batch, seq in [(8, 16), (8, 32), (3, 11), (5, 29), (1, 4)]:
+        args = inputs(batch, seq, seed=batch * seq)
+        for got, want in zip(warm(*args), cold(*args)):
+            assert torch.equal(got, want)
+
+
+def test_auto_warms_the_largest_shape_only_within_its_time_budget(tagger_build):
+    (v, *_) = [v for v in tagger_build.manifest.variants if v.kind == "dynamic"]
+    big = largest(v)
+    growth = estimate_seconds(v, big, 1.0)  # the largest call's estimate per second of the hint's
+    assert growth > 1
+    fits, over = 0.9 * BUDGET_SECONDS / growth, 1.1 * BUDGET_SECONDS / growth
+    assert after_hint(v, "auto", fits) == [big]
+    assert after_hint(v, "auto", over) == []
+    assert after_hint(v, "auto", 0.5, budget=0.5 * growth) == [big]  # the budget is inclusive
+    assert after_hint(v, "range", over) == [big]  # "range" has no budget
+    assert after_hint(v, "hint", 0.0) == []
+
+
+def test_a_static_variant_or_one_whose_hint_is_its_largest_has_nothing_more_to_warm(tagger_build):
+    static, dynamic = (next(v for v in tagger_build.manifest.variants if v.kind == k) for k in ("static", "dynamic"))
+    assert largest(static) is None and after_hint(static, "range", 0.0) == []
+    at_max = dataclasses.replace(dynamic, hint={d: r.max for d, r in dynamic.dims.items()})
+    assert largest(at_max) is None and after_hint(at_max, "range", 0.0) == []
+
+
+@pytest.mark.parametrize("load", [loader.load, loader.load_native])
+def test_an_unknown_warmup_shapes_is_refused_before_anything_is_opened(tagger_build, load):
+    with pytest.raises(ValueError, match=r"warmup_shapes='all': expected one of auto, hint, range"):
+        load(tagger_build.path / "no-such-folder", warmup_shapes="all")
+
+
+def test_load_native_warms_the_same_shapes(tagger_build):
+    native = loader.load_native(tagger_build.path, open="eager", warmup_shapes="range")
+    torch_model = loader.load(tagger_build.path, open="eager", warmup_shapes="range")
+    assert native.warmed == torch_model.warmed
