@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from precompile.cli import main
-from precompile.pipeline import build
+from precompile.pipeline import BuildResult, build
 
 MODELS = Path(__file__).parent / "models" / "tiny.py"
 
@@ -47,14 +47,18 @@ def write_profile(folder: Path, text: str, name: str = "profile.yaml") -> Path:
 
 
 @pytest.fixture(scope="session")
-def classifier_artifact(tmp_path_factory) -> Path:
-    """Built through the CLI, so the command's happy path is exercised too."""
+def classifier_build(tmp_path_factory) -> tuple[Path, BuildResult]:
+    """(the output given, the result) of ``precompile.build(<the profile's path>, output)``: the
+    artifact most tests read, and tests/test_api.py's build from a path. The CLI's happy path is
+    structured_cli_build's."""
     folder = tmp_path_factory.mktemp("classifier")
-    profile = write_profile(folder, CLASSIFIER_PROFILE)
     out = folder / "artifact"
-    result = CliRunner().invoke(main, ["build", str(profile), "-o", str(out)], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return out
+    return out, build(write_profile(folder, CLASSIFIER_PROFILE), out)
+
+
+@pytest.fixture(scope="session")
+def classifier_artifact(classifier_build) -> Path:
+    return classifier_build[1].path
 
 
 @pytest.fixture(scope="session")

@@ -61,10 +61,9 @@ def test_precompile_build_is_the_pipeline_build_and_import_precompile_stays_ligh
     assert out.stdout.strip() == "[]"
 
 
-def test_build_from_a_path(tmp_path):
-    path = write_profile(tmp_path, PROFILE)
-    result = precompile.build(path, tmp_path / "out")
-    assert result.path == tmp_path / "out" and result.manifest.name == "tiny-classifier"
+def test_build_from_a_path(classifier_build):
+    out, result = classifier_build  # the session's classifier: precompile.build(its profile's path, out)
+    assert result.path == out and result.manifest.name == "tiny-classifier"
     assert_matches_eager(result.path, eager_model())
 
 

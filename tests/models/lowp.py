@@ -79,12 +79,14 @@ class Pointwise(torch.nn.Module):
     """A conv net with 1×1 convolutions after it, small images at the last ones: Inductor packs a
     dynamic int8 convolution's weight for no input size, which for c3 is in a blocking oneDNN wants
     at none of the sizes, and for c4 and the shortcut at some (they want two over the range); the
-    residual addition is fused into one of the two (``qconv2d_pointwise.binary``)."""
+    residual addition is fused into one of the two (``qconv2d_pointwise.binary``). Its stem is
+    ConvNet's (a convolution, batch norm, ReLU), so one int8 build serves the calibration test too."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(16)
         self.c2 = torch.nn.Conv2d(16, 32, 3, padding=1, stride=3)
         self.c3 = torch.nn.Conv2d(32, 256, 1)
         self.c4 = torch.nn.Conv2d(256, 1024, 1)
@@ -92,7 +94,7 @@ class Pointwise(torch.nn.Module):
         self.fc = torch.nn.Linear(1024, 10)
 
     def forward(self, x):
-        x = torch.relu(self.c1(x))
+        x = torch.relu(self.bn(self.c1(x)))
         x = torch.relu(self.c2(x))
         x = torch.relu(self.c3(x))
         x = torch.relu(self.c4(x) + self.shortcut(x))
