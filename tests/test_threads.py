@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from loader import threads as T
+from loader.malloc import malloc_env
 from loader.threads import CpuAllowance, cpu_allowance, threading_problems
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +124,10 @@ def test_serve_adds_the_wait_policy_and_thread_count_but_keeps_the_users():
     env = serving_env(2, environ={})
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["GOMP_SPINCOUNT"] == "10000"
     assert env["OMP_NUM_THREADS"] == str(max(1, cpu_allowance().cpus // 2))
-    assert serving_env(1, environ={"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"}) == {}
+    assert serving_env(1, environ={"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"}, malloc="system") == {}
+    # and the allocator serve preloads (loader.malloc), unless the user preloaded one
+    assert serving_env(1, environ={}, malloc="auto").keys() >= malloc_env("auto", {}).keys()
+    assert "LD_PRELOAD" not in serving_env(1, environ={"LD_PRELOAD": "/opt/libjemalloc.so.2"})
 
 
 # --- compile threads of the build's workers (precompile.executors.local.compile_threads) ------------
