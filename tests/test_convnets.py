@@ -368,8 +368,7 @@ def test_a_weight_oneDNN_lays_out_differently_across_the_range_is_packed_per_lay
     assert len(reorders) == 2 * len(shapes) + 1
     for shape in shapes:
         # where one thread and this host's count want different layouts, the plain weight serves (and
-        # is re-laid by the jitted reorder), but a 1×1 convolution's runs as a linear layer on a weight
-        # packed once (expand's, at 1×40×9 on a 2-core AVX-512 host); everywhere else no weight is re-laid
+        # is re-laid by the jitted reorder); everywhere else no weight is re-laid
         mixed = {
             "x".join(map(str, conv.weight.shape))
             for conv, size in (
@@ -377,8 +376,7 @@ def test_a_weight_oneDNN_lays_out_differently_across_the_range_is_packed_per_lay
                 (model.expand, [shape[0], 128, *shape[2:]]),
                 (model.head, [shape[0], 512, *shape[2:]]),
             )  # fmt: skip
-            if conv.kernel_size != (1, 1)
-            and prepack.group_by_layout(lambda s: pack_for(conv, s), [size], prepack.probe_threads()).mixed
+            if prepack.group_by_layout(lambda s: pack_for(conv, s), [size], prepack.probe_threads()).mixed
         }
         for call in range(2):
             lines = reorders[f"{shape} {call}"]

@@ -37,15 +37,6 @@ want different formats the branch runs on the plain weight (re-laid per call by 
 as before this pass), never on a packed one in the wrong blocking. A serving host with more threads
 than the build's may want others at some sizes (then oneDNN reorders there).
 
-A 1×1 convolution (stride 1, no padding, one group) runs at those sizes as what it computes, a
-linear layer over its input's pixels (``_as_linear``: the channels-last input is a matrix of pixels
-by channels as it lies), on one more copy of its weight packed for oneDNN's matmul: that format
-depends on neither the number of pixels nor the thread count (probed: 1-8192 rows, 1 and 2
-threads, bf16 and fp32), so no size re-lays it. The sizes where thread counts disagree are the small
-images at the last stages, whose re-laid weights are the largest: bf16 ResNet-50 at 1×103×87 re-laid
-its 512×1024 and two 512×2048 weights at every call, up to 1.2 ms CPU each (one thread, against 0.09
-ms for the convolution on a weight packed right and for the linear layer on its packed weight).
-
 ``PrepackConvolutions`` is an Inductor ``post_grad_custom_pre_pass`` (it runs after freezing, before
 the fusions): each such convolution whose weight is a frozen constant gets that weight packed for
 each format oneDNN asks for over the sizes the convolution's input takes over the variant's ranges
@@ -97,7 +88,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, has_free_symbols, optimization_hint
 
 CONVOLUTION = torch.ops.mkldnn._convolution_pointwise.default
-LINEAR = torch.ops.mkldnn._linear_pointwise.default  # a 1×1 convolution's stand-in (``_as_linear``)
 # Inductor's int8 convolutions (PT2E x86 quantizer), their weights packed by its freezing pass.
 QUANTIZED = (
     torch.ops.onednn.qconv_pointwise.default,
@@ -361,8 +351,7 @@ def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts
     """Replace ``node`` by one copy of its weight per format in ``formats`` and a choice among them at
     each call: ``torch.cond`` on a 0-d bool read from a build-time table indexed by the convolution's
     input sizes (AOTInductor inlines each branch in its C++: an ``if`` on a table byte per call).
-    The mixed sizes (``Layouts``) take the plain weight, or a 1×1 convolution's the linear layer on
-    its own packed copy (``_as_linear``); those the probes skipped (past
+    The mixed sizes (``Layouts``) take the plain weight; those the probes skipped (past
     ``MAX_PROBES``) the first group's format. A ReLU, or an addition and
     a ReLU, that Inductor would fuse into the convolution are fused into each branch (the fusion
     patterns run after this pass and cannot see into a branch)."""
@@ -378,25 +367,19 @@ def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts
     for k, group in enumerate(formats):
         for size in group:
             choice[tuple(size[d] - lo for d, lo in zip(dims, low))] = k
-    w = _plain_weight(gm, node)
-    linear = bool(found.mixed) and node.target is CONVOLUTION and _is_pointwise(node, w)
     if node.target is CONVOLUTION:
         other, unary, last = _epilogue(node)
         tensors = [t for t in (x, other, node.args[2]) if isinstance(t, torch.fx.Node)]
-        call = _conv_call(node, other, unary, len(tensors), len(found.groups) if linear else None)
+        call = _conv_call(node, other, unary, len(tensors))
     else:  # Inductor's freezing fused its epilogue already
         last = node
         tensors, call = _quantized_call(gm, node)
+    w = _plain_weight(gm, node)
     with graph.inserting_before(last):  # after the addend, which may come after the convolution
         packed = [
             _constant(gm, last, _reorder(w, gm, node, group[0]), weight.meta.get("val")) for group in found.groups
         ]
-        if linear:
-            rows = w.flatten(1)  # the linear layer's weight: output by input channels
-            size = found.mixed[0]
-            lw = torch.ops.mkldnn._reorder_linear_weight(rows, size[0] * size[2] * size[3])
-            packed.append(_constant(gm, last, lw, val.fake_mode.from_tensor(rows, static_shapes=True)))
-        elif found.mixed:
+        if found.mixed:
             packed.append(weight)
         index = [graph.call_function(operator.sub, (_sym_size(graph, x, d), lo)) for d, lo in zip(dims, low)]
         for n, d, lo in zip(index, dims, low):
@@ -456,11 +439,10 @@ def _chain(first: torch.fx.Node, last: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _conv_call(
-    node: torch.fx.Node, other: torch.fx.Node | None, unary: str, n_tensors: int, linear_at: int | None = None
+    node: torch.fx.Node, other: torch.fx.Node | None, unary: str, n_tensors: int
 ) -> Callable[[list[torch.fx.Node], int], tuple[Any, tuple[Any, ...]]]:
     """How a branch calls the convolution, its epilogue fused, on its placeholders (the input, the
-    addend if any, the bias if any, the weights) with weight ``k``: the target and the arguments;
-    with weight ``linear_at`` (a linear layer's), as a linear layer (``_as_linear``)."""
+    addend if any, the bias if any, the weights) with weight ``k``: the target and the arguments."""
     _, _, bias, padding, stride, dilation, groups, attr, scalars, algorithm = node.args
     if unary != "none" and attr != "none":
         raise AssertionError(f"{node}: a convolution fused already, before the fusion passes")
@@ -468,9 +450,6 @@ def _conv_call(
     def call(places: list[torch.fx.Node], k: int) -> tuple[Any, tuple[Any, ...]]:
         x, w = places[0], places[n_tensors + k]
         b = places[n_tensors - 1] if bias is not None else None
-        if k == linear_at:
-            after = unary if unary != "none" else attr
-            return _as_linear, (x, places[1] if other is not None else None, w, b, after, scalars, algorithm)
         if other is None:
             return CONVOLUTION, (
                 x,
@@ -501,46 +480,6 @@ def _conv_call(
         )
 
     return call
-
-
-def _is_pointwise(node: torch.fx.Node, w: torch.Tensor) -> bool:
-    """Whether the convolution ``node`` (weight ``w``, plain) is a linear layer over its input's
-    pixels: a 1×1 kernel, stride 1, no padding, one group."""
-    _, _, _, padding, stride, _, groups = node.args[:7]
-    return tuple(w.shape[2:]) == (1, 1) and set(stride) == {1} and set(padding) == {0} and groups == 1
-
-
-def _as_linear(x: Any, other: Any, w: Any, b: Any, attr: str, scalars: list[Any], algorithm: str) -> Any:
-    """A 1×1 convolution of the channels-last ``x`` as a linear layer of its pixels (rows) by its
-    channels, on ``w`` packed for oneDNN's matmul: ``attr`` (the convolution's unary post-op) after
-    the addition of ``other`` where there is one. The rows are ``x`` as it lies (its NHWC view is
-    contiguous), the result is laid out channels-last as the convolution's (a view). Lowered by
-    Inductor when the branch is, as ``_add_fused``, private to Inductor: oneDNN's linear through its
-    IR node (``mkldnn_ir.LinearUnary``: the lowering of ``mkldnn._linear_pointwise`` wants its
-    weight among the graph's constants, and a branch's weights are its operands)."""
-    from torch._inductor import ir, mkldnn_ir
-    from torch._inductor.lowering import lowerings  # Inductor's lowering table, filled once it is imported
-
-    unary = "none" if other is not None else attr
-    if isinstance(x, torch.Tensor):  # cond run on fake tensors (the FX passes' metadata)
-        y = LINEAR(x.permute(0, 2, 3, 1), w, b, unary, scalars, algorithm).permute(0, 3, 1, 2)
-        if other is not None:
-            y = y + other
-            y = y.relu() if attr == "relu" else y
-        return y
-    aten = torch.ops.aten
-    n, c, h, width = x.get_size()
-    rows = lowerings[aten.reshape.default](lowerings[aten.permute.default](x, [0, 2, 3, 1]), [-1, c])
-    y = ir.TensorBox.create(mkldnn_ir.LinearUnary.create(rows, w, b, unary, scalars, algorithm))
-    y = lowerings[aten.reshape.default](y, [n, h, width, w.get_size()[0]])
-    y = lowerings[aten.permute.default](y, [0, 3, 1, 2])
-    if other is not None:
-        y = lowerings[aten.add.Tensor](y, other)
-        y = lowerings[aten.relu.default](y) if attr == "relu" else y
-    return y
-
-
-_as_linear._inductor_lowering_function = True  # type: ignore[attr-defined]
 
 
 def _quantized_call(
