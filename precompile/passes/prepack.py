@@ -114,13 +114,7 @@ class PrepackConvolutions(CustomGraphPass):
         gm = graph.owning_module
         seen: dict[tuple[Any, ...], Layouts] = {}  # a network's repeated blocks ask the same question
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target is CONVOLUTION:
-                found = _formats(gm, node, seen)
-                if len(found.groups) == 1 and not found.mixed:
-                    _pack(gm, node)
-                elif found.groups and len(found.groups) + bool(found.mixed) > 1 and _choosable(node, found):
-                    _pick_per_call(gm, node, found)
-            elif node.op == "call_function" and node.target in QUANTIZED:
+            if node.op == "call_function" and (node.target is CONVOLUTION or node.target in QUANTIZED):
                 found = _formats(gm, node, seen)
                 if len(found.groups) == 1 and not found.mixed:
                     _pack(gm, node)
