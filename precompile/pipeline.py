@@ -25,6 +25,7 @@ from loader import constants as C
 from loader.manifest import Manifest, expires_problem
 
 from .analysis.value_ranges import with_value_ranges
+from .build_cache import cache_folder
 from .calibration import Sample, gate_inputs
 from .compare import CheckReport
 from .context import BuildContext
@@ -77,6 +78,7 @@ def build(
     expires: str | None = None,
     jobs: int | None = None,
     executor: Executor | None = None,
+    cache: str | Path | None = None,
 ) -> BuildResult:
     """Build the artifact a profile describes; return where it is, its plan and what was checked.
 
@@ -89,11 +91,13 @@ def build(
     a time zone) go into the manifest for the loader's rollback and expiry checks. ``jobs`` variants
     compile at once (default: one per core); ``executor`` runs them elsewhere (precompile.executors:
     ``executor_named("ray", address=...)``); a share of them on each of several hosts is
-    ``precompile.shard.build_part``. Raises a PrecompileError subclass for anything the user can fix;
+    ``precompile.shard.build_part``. ``cache``: the build cache's folder (``precompile.build_cache``;
+    default ``$PRECOMPILE_BUILD_CACHE``, else none). Raises a PrecompileError subclass for anything the user can fix;
     on any failure nothing is left at ``output`` but what was there before.
     """
     progress = progress or Progress()
     check_expires(expires)
+    cache = cache_folder(cache)
     with tempfile.TemporaryDirectory(prefix="precompile-build-") as scratch:
         ctx = prepare(profile, progress, program=program, folder=folder, scratch=Path(scratch))
         target = Path(output) if output is not None else Path("artifacts") / ctx.profile.name
@@ -101,7 +105,7 @@ def build(
         try:
             (staging / C.VARIANTS_DIR).mkdir()
             tasks = compile_tasks(ctx.variants, ctx.candidates)
-            units = compile_units(ctx, tasks, staging, jobs=jobs, progress=progress, executor=executor)
+            units = compile_units(ctx, tasks, staging, jobs=jobs, progress=progress, executor=executor, cache=cache)
             return finish(ctx, units, staging, target, progress=progress, version=version, expires=expires)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

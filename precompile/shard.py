@@ -33,6 +33,7 @@ from loader import constants as C
 from loader.manifest import CudaInfo
 
 from .analysis.value_ranges import IndexTable
+from .build_cache import cache_folder
 from .context import BuildContext
 from .errors import PrecompileError
 from .executors import Executor, compile_units
@@ -111,10 +112,12 @@ def build_part(
     jobs: int | None = None,
     executor: Executor | None = None,
     progress: Progress | None = None,
+    cache: str | Path | None = None,
 ) -> PartResult:
     """Compile the ``shard=(k, n)``-th share of a profile's units into a part at ``output`` (default:
-    ``artifacts/<name>.part-k-of-n``), for ``assemble``."""
+    ``artifacts/<name>.part-k-of-n``), for ``assemble``. ``cache``: as ``precompile.build``'s."""
     progress = progress or Progress()
+    cache = cache_folder(cache)
     ctx = prepare(profile_path, progress)
     k, n = shard
     target = Path(output) if output is not None else Path("artifacts") / f"{ctx.profile.name}.part-{k}-of-{n}"
@@ -127,7 +130,7 @@ def build_part(
         (staging / C.VARIANTS_DIR).mkdir()
         (staging / CONSTANTS_DIR).mkdir()
         units = (
-            compile_units(ctx, mine, staging, jobs=jobs, progress=progress, executor=executor)
+            compile_units(ctx, mine, staging, jobs=jobs, progress=progress, executor=executor, cache=cache)
             if mine
             else CompiledUnits()
         )

@@ -96,6 +96,7 @@ class CompileTask:
     candidate: int
     options: dict[str, Any]
     file: str  # name inside the staging folder's variants/
+    cache: str | None = None  # the build cache's folder (precompile.build_cache), or none
 
     def label(self, tuning: bool) -> str:
         """The unit in the build's output: its variant, and with tuning which candidate and its options."""
@@ -111,6 +112,7 @@ class CompiledPackage:
     embedded: bool = False  # the constants stay inside the package (``options.embeds_constants``)
     standalone: bool = False  # runs on the artifact's own shim, without libtorch (``precompile.standalone``)
     not_standalone: str | None = None  # asked to be standalone, why it is not
+    cached: bool = False  # copied from the build cache, not compiled (precompile.build_cache)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ needs is built once per session here and shared by the tests that read it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import textwrap
 from pathlib import Path
@@ -14,6 +15,10 @@ from precompile.cli import main
 from precompile.pipeline import BuildResult, build
 
 MODELS = Path(__file__).parent / "models" / "tiny.py"
+
+# A developer's build cache must not let the suite's builds skip their compiles: tests that use the
+# cache say so (the build_cache fixture).
+os.environ.pop("PRECOMPILE_BUILD_CACHE", None)
 
 CLASSIFIER_PROFILE = """
 name: tiny-classifier
@@ -47,13 +52,20 @@ def write_profile(folder: Path, text: str, name: str = "profile.yaml") -> Path:
 
 
 @pytest.fixture(scope="session")
-def classifier_build(tmp_path_factory) -> tuple[Path, BuildResult]:
+def build_cache(tmp_path_factory) -> Path:
+    """The session's build cache (``precompile.build_cache``): builds that compile what another
+    build of the session compiled already (the same model from another source) pass it."""
+    return tmp_path_factory.mktemp("build-cache")
+
+
+@pytest.fixture(scope="session")
+def classifier_build(tmp_path_factory, build_cache) -> tuple[Path, BuildResult]:
     """(the output given, the result) of ``precompile.build(<the profile's path>, output)``: the
     artifact most tests read, and tests/test_api.py's build from a path. The CLI's happy path is
-    structured_cli_build's."""
+    structured_cli_build's. Its compile goes into the session's build cache."""
     folder = tmp_path_factory.mktemp("classifier")
     out = folder / "artifact"
-    return out, build(write_profile(folder, CLASSIFIER_PROFILE), out)
+    return out, build(write_profile(folder, CLASSIFIER_PROFILE), out, cache=build_cache)
 
 
 @pytest.fixture(scope="session")

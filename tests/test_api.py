@@ -67,22 +67,26 @@ def test_build_from_a_path(classifier_build):
     assert_matches_eager(result.path, eager_model())
 
 
-def test_build_from_a_dict_with_its_folder(tmp_path):
+# The forms below build the session classifier's model again: each passes the session's build cache,
+# so what each form exports is checked, and the compile the classifier's build made is reused.
+
+
+def test_build_from_a_dict_with_its_folder(tmp_path, build_cache):
     write_profile(tmp_path, PROFILE)  # tiny.py beside it: the factory is imported from the folder
-    result = precompile.build(as_dict(), tmp_path / "out", folder=tmp_path)
+    result = precompile.build(as_dict(), tmp_path / "out", folder=tmp_path, cache=build_cache)
     assert_matches_eager(result.path, eager_model())
 
 
-def test_build_from_a_profile_object(tmp_path, monkeypatch):
+def test_build_from_a_profile_object(tmp_path, monkeypatch, build_cache):
     write_profile(tmp_path, PROFILE)
     monkeypatch.chdir(tmp_path)  # a Profile's folder defaults to the current directory
-    result = precompile.build(Profile.model_validate(as_dict()), tmp_path / "out")
+    result = precompile.build(Profile.model_validate(as_dict()), tmp_path / "out", cache=build_cache)
     assert_matches_eager(result.path, eager_model())
 
 
-def test_build_from_an_exported_program(tmp_path):
+def test_build_from_an_exported_program(tmp_path, build_cache):
     model = eager_model()
-    result = precompile.build(without_model(as_dict()), tmp_path / "out", program=exported(model))
+    result = precompile.build(without_model(as_dict()), tmp_path / "out", program=exported(model), cache=build_cache)
     assert_matches_eager(result.path, model)
 
 
@@ -96,7 +100,7 @@ def test_build_from_a_saved_program_in_compile_workers(tmp_path):
     assert_matches_eager(result.path, model)
 
 
-def test_the_cli_builds_from_a_saved_program(tmp_path):
+def test_the_cli_builds_from_a_saved_program(tmp_path, build_cache):
     model = eager_model()
     torch.export.save(exported(model), tmp_path / "model.pt2")
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(without_model(as_dict())))
@@ -107,6 +111,8 @@ def test_the_cli_builds_from_a_saved_program(tmp_path):
         str(tmp_path / "model.pt2"),
         "-o",
         str(tmp_path / "out"),
+        "--cache",
+        str(build_cache),
     ]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -114,7 +120,7 @@ def test_the_cli_builds_from_a_saved_program(tmp_path):
     assert_matches_eager(tmp_path / "out", model)
 
 
-def test_a_factory_returning_a_loaded_program_builds(tmp_path):
+def test_a_factory_returning_a_loaded_program_builds(tmp_path, build_cache):
     """``torch.export.load(...).module()`` refuses eval(): the build takes it as it is."""
     model = eager_model()
     torch.export.save(exported(model), tmp_path / "model.pt2")
@@ -122,7 +128,7 @@ def test_a_factory_returning_a_loaded_program_builds(tmp_path):
         "import torch\n\ndef program():\n    return torch.export.load(__file__.replace('saved.py', 'model.pt2')).module()\n"
     )
     profile = {**as_dict(), "model": {"factory": "saved:program"}}
-    result = precompile.build(profile, tmp_path / "out", folder=tmp_path)
+    result = precompile.build(profile, tmp_path / "out", folder=tmp_path, cache=build_cache)
     assert_matches_eager(result.path, model)
 
 

@@ -62,8 +62,9 @@ def calibration_jsonl(path: Path, count: int = 6) -> None:
 
 
 @pytest.fixture(scope="session")
-def lowp(tmp_path_factory):
-    """The encoder in fp32, bf16 and int8, gated on a calibration file, kept whatever their speed."""
+def lowp(tmp_path_factory, build_cache):
+    """The encoder in fp32, bf16 and int8, gated on a calibration file, kept whatever their speed.
+    Its fp32 and bf16 compiles are strict_gate's (the session's build cache)."""
     folder = tmp_path_factory.mktemp("lowp")
     calibration_jsonl(folder / "calib.jsonl")
     profile = write(
@@ -75,17 +76,17 @@ accuracy: {metric: cosine, threshold: 0.99, min_speedup: 0}
 calibration: {file: calib.jsonl}
 """,
     )
-    return build(profile, folder / "artifact")
+    return build(profile, folder / "artifact", cache=build_cache)
 
 
 @pytest.fixture(scope="session")
-def strict_gate(tmp_path_factory):
+def strict_gate(tmp_path_factory, build_cache):
     """bf16 under a gate it cannot pass (max abs error 0 on the float output)."""
     folder = tmp_path_factory.mktemp("strict")
     profile = write(
         folder, ENCODER + "precision: [bf16]\naccuracy: {metric: max_abs, threshold: 0.0, min_speedup: 0}\n"
     )
-    return build(profile, folder / "artifact")
+    return build(profile, folder / "artifact", cache=build_cache)
 
 
 @pytest.fixture(scope="session")

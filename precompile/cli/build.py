@@ -51,6 +51,16 @@ from . import artifact_options, main, user_errors
     show_default=True,
     help="With --executor ray: CPUs each unit reserves (and Inductor's compile threads).",
 )
+@click.option(
+    "--cache",
+    type=click.Path(path_type=Path),
+    metavar="DIR",
+    help=(
+        "The build cache: a variant compiled before with the same program, options, target and toolchain "
+        "is copied from DIR instead of compiled again, and a new compile is kept there [default: "
+        "PRECOMPILE_BUILD_CACHE, else none]."
+    ),
+)
 @user_errors
 def build(
     profile: Path,
@@ -63,6 +73,7 @@ def build(
     shard: str | None,
     program: Path | None,
     ray_cpus: int,
+    cache: Path | None,
 ) -> None:
     """Build the artifact PROFILE describes: export, compile, check against eager, write.
 
@@ -89,7 +100,7 @@ def build(
         )
     runner = executor_named(executor, address=address, cpus=ray_cpus)
     if share is not None:
-        part = build_part(profile, share, output, jobs=jobs, executor=runner, progress=RichProgress())
+        part = build_part(profile, share, output, jobs=jobs, executor=runner, progress=RichProgress(), cache=cache)
         click.echo(str(part.path))
         return
     result = run_build(
@@ -101,5 +112,6 @@ def build(
         expires=expires,
         jobs=jobs,
         executor=runner,
+        cache=cache,
     )
     click.echo(str(result.path))

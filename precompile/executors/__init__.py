@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ..context import BuildContext
@@ -52,13 +53,16 @@ def compile_units(
     jobs: int | None,
     progress: Progress,
     executor: Executor | None = None,
+    cache: Path | None = None,
 ) -> CompiledUnits:
     """Export and compile every task through ``executor`` (default: on this host, ``jobs`` at a time,
-    each in its own process).
+    each in its own process). ``cache``: the build cache's folder (``precompile.build_cache``), or none.
 
     A variant's first candidate failing fails the build; a later one failing is only recorded, and
     later candidates still pending after ``compile.tune.max_seconds`` are not compiled.
     """
+    if cache is not None:
+        tasks = [replace(task, cache=str(cache)) for task in tasks]
     tune = ctx.profile.compile.tune
     max_seconds = tune.max_seconds if tune is not None else None
     units: list[CompiledUnit] = []
@@ -86,7 +90,8 @@ def compile_units(
             if error is None and outcome.result is not None:
                 units.append(outcome.result.unit)
                 tables = smallest_tables(tables, outcome.result.tables)
-                progress.done("variant", label, outcome.result.unit.seconds)
+                cached = " (from the build cache)" if outcome.result.unit.package.cached else ""
+                progress.done("variant", label + cached, outcome.result.unit.seconds)
                 continue
             progress.failed("variant", label, 0.0)
             if task.candidate == 0 or isinstance(error, ProfileError):

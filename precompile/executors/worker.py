@@ -65,6 +65,7 @@ def compile_unit(
             multi_arch=loaded.profile.cuda.multi_arch,
             shapes=[list(spec.shape) for spec in loaded.profile.inputs.values()],
             isa=vp.isa,
+            cache=task.cache,
         )
     except PrecompileError as e:
         if isinstance(e, ProfileError):

@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 
 from loader.aoti import open_package
 
-from .. import standalone
+from .. import build_cache, standalone
 from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
 from ..options import WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
@@ -38,6 +38,7 @@ def compile_package(
     multi_arch: bool = False,
     shapes: Sequence[Sequence[Any]] = (),
     isa: str | None = None,
+    cache: str | None = None,
 ) -> CompiledPackage:
     """Compile ``ep`` to ``out`` (a .pt2 path), take its constants out (as CPU tensors), return both.
 
@@ -45,6 +46,8 @@ def compile_package(
     ``isa``: the x86-64 level a CPU variant is compiled for (``options`` hold its ``ISA_OPTIONS``),
     Inductor's vector ISA pinned to it (``precompile.cpu_isa``); None: the build host's own.
     ``shapes`` (the profile's input shapes, ``[batch, seq]``) name the dims in a lowering failure.
+    ``cache``: the build cache's folder (``precompile.build_cache``): a compile it holds is copied
+    from it, and one it does not is written to it (standalone variants are always compiled).
     """
     from ..passes.prepack import PrepackConvolutions  # imports torch._inductor too
 
@@ -59,21 +62,40 @@ def compile_package(
     raw = out.with_suffix(".full.pt2")
     convnets.rewrite(ep)  # Inductor defects around pooling and convolutions (precompile.passes.convnets)
     shim, not_standalone = None, None
-    if wanted and device == "cpu":
-        shim, not_standalone = _compile_standalone(ep, raw, configs, isa, out.parent.parent)
-    if shim is None:
-        _compile(ep, raw, configs, isa, shapes)
-    if embedded:
-        raw.replace(out)
-        constants = {}
+    key = _cache_key(ep, configs, device, multi_arch, isa) if cache and not (wanted and device == "cpu") else None
+    hit = build_cache.lookup(Path(cache), key, out) if cache and key else None
+    if hit is not None:
+        constants, embedded = hit
     else:
-        constants = _strip_weights(raw, out)
-        raw.unlink()
+        if wanted and device == "cpu":
+            shim, not_standalone = _compile_standalone(ep, raw, configs, isa, out.parent.parent)
+        if shim is None:
+            _compile(ep, raw, configs, isa, shapes)
+        if embedded:
+            raw.replace(out)
+            constants = {}
+        else:
+            constants = _strip_weights(raw, out)
+            raw.unlink()
+        if cache and key:
+            build_cache.store(Path(cache), key, out, constants, embedded)
     runner = open_package(str(out), device_index=0 if device == "cuda" else None)
     missing = set(runner.get_constant_fqns()) - set(constants)
     if missing and not embedded:
         raise CompileError(f"the compiled code needs constants the package did not contain: {sorted(missing)}")
-    return CompiledPackage(out, constants, dict(runner.get_metadata()), embedded, shim is not None, not_standalone)
+    return CompiledPackage(
+        out, constants, dict(runner.get_metadata()), embedded, shim is not None, not_standalone, hit is not None
+    )
+
+
+def _cache_key(
+    ep: ExportedProgram, configs: dict[str, Any], device: str, multi_arch: bool, isa: str | None
+) -> str | None:
+    """The build cache's key of this compile: the program and options, and the target it is for."""
+    target: dict[str, Any] = {"device": device, "isa": isa, "multi_arch": multi_arch}
+    if device == "cuda":
+        target["gpu"] = [torch.cuda.get_device_name(0), list(torch.cuda.get_device_capability(0))]
+    return build_cache.compile_key(ep, configs, target)
 
 
 def _compile(ep: ExportedProgram, raw: Path, configs: dict[str, Any], isa: str | None, shapes) -> None:
