@@ -62,6 +62,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from loader.malloc import PRELOAD_ENV, MallocError, resolve
@@ -216,8 +217,6 @@ def run_model(
 ) -> dict[str, Any]:
     """Build (or reuse) ``name``'s vision profile in ``work``, check and time its methods, each in its
     own process (the module docstring); our artifact's on ``malloc``'s allocator."""
-    import numpy as np
-
     built = build_model(name, work, log)
     result, variant = built.result, dynamic_fp32(built.result)
     onnx = built.profile.parent / "model.onnx"

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("eager", "precompile", "onnxruntime", "openvino", "openvino-f32")
 
@@ -78,8 +80,6 @@ class Worker:
 
     def output(self, shape: int) -> Any:
         """Its output on shape ``shape``'s inputs (a numpy array)."""
-        import numpy as np
-
         return np.load(self._ask({"op": "check", "shape": shape})["path"])
 
     def time(self, shape: int, calls: int) -> list[float]:
@@ -154,7 +154,6 @@ def serve(args: argparse.Namespace) -> None:
     sys.stdout = sys.stderr
     say = lambda answer: protocol.write(json.dumps(answer) + "\n")  # noqa: E731
 
-    import numpy as np
     import torch
 
     from loader.malloc import in_use
