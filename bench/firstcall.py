@@ -39,12 +39,19 @@ WARMUPS = ("hint", "auto")
 
 
 def measure(
-    artifacts: list[Path], *, shapes: int = 3, repeat: int = 20, warmups: tuple[str, ...] = WARMUPS
+    artifacts: list[Path],
+    *,
+    shapes: int = 3,
+    repeat: int = 20,
+    warmups: tuple[str, ...] = WARMUPS,
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (artifact, warm-up mode, dynamic variant, shape), each artifact and mode measured
-    in its own process, on the same shapes in every mode."""
+    in its own process, on the same shapes in every mode. ``env``: those processes' environment
+    (default: this one's, OpenMP's idle threads asleep), e.g. with an allocator preloaded."""
     rows: list[dict[str, Any]] = []
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    if env is None:
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     for path in artifacts:
         for mode in warmups:
             run = subprocess.run(
@@ -64,6 +71,7 @@ def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dic
     import torch
 
     import loader.warmup
+    from loader.malloc import in_use
 
     start = time.perf_counter()
     model = loader.load(path, warmup_shapes=warmup_shapes, open="eager")
@@ -82,6 +90,7 @@ def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dic
             steady = statistics.median(t[0] for t in times)
             rows.append({
                 "artifact": str(path), "model": model.name, "warmup": warmup_shapes, "load_s": load_s, "warmed": warmed,
+                "malloc": in_use(),
                 "variant": v.id, "precision": v.precision, "dims": sizes,
                 "first_ms": first, "steady_ms": steady, "ratio": first / steady,
                 "first_cpu_ms": first_cpu, "steady_cpu_ms": statistics.median(t[1] for t in times),

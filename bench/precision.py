@@ -54,6 +54,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "profiles" / "bench"
+# The peers (bench.peers.open_engine's methods) by their names in the results.
+PEER_LABELS = {"onnxruntime": "ONNX Runtime", "openvino": "OpenVINO default", "openvino-f32": "OpenVINO f32"}
 
 SHAPES = {
     # The shapes the issue measured on (batch × tokens).
@@ -226,17 +228,18 @@ def peer_methods(
 
     methods: dict[str, Callable[[tuple], torch.Tensor]] = {}
     engines: dict[str, Any] = {}
-    for method, label in (
-        ("onnxruntime", "ONNX Runtime"),
-        ("openvino", "OpenVINO default"),
-        ("openvino-f32", "OpenVINO f32"),
-    ):
+    for method, label in PEER_LABELS.items():
         run, facts = open_engine(method, onnx_path, threads)
         engines[label] = facts
-        methods[f"{label} ({facts['precision']})"] = lambda args, r=run: torch.from_numpy(
+        methods[peer_label(method, facts)] = lambda args, r=run: torch.from_numpy(
             r({n: t.numpy() for n, t in zip(names, args)})[0]
         )
     return methods, engines
+
+
+def peer_label(method: str, facts: dict[str, Any]) -> str:
+    """A peer's label in the results: its name and the precision it chose, e.g. ``OpenVINO default (bf16)``."""
+    return f"{PEER_LABELS[method]} ({facts['precision']})"
 
 
 def time_shapes(

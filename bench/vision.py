@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.vision [--models resnet50 mobilenet_v2 ...] [--seconds 1.0] [--out bench/results/vision.json]
     .venv/bin/python -m bench.vision --work /work/benchart/vision --build-only    # build (and export ONNX) only
     .venv/bin/python -m bench.vision --work /work/benchart/vision                # time what is built there
+    .venv/bin/python -m bench.vision --work DIR --malloc system                  # our artifact on glibc's malloc only
     .venv/bin/python -m bench.vision --work /work/benchart/vision --reorders     # oneDNN reorders per call
 
     resnet50         dense 3×3 and 1×1 convolutions (bottlenecks)
@@ -16,14 +17,23 @@ Each from its transformers config with random weights (``profiles/bench/models.p
 side (a convnet frozen by the per-kind default), the same unfrozen (``freezing: false``: what the
 default is measured against), and its ONNX export for the peers. ``--work`` keeps them in
 ``DIR/<model>/`` and reuses any already there (an artifact with its manifest, a ``model.onnx``), so the builds can run on a busy
-machine (``--build-only``) and the timing alone on a quiet one. Timed per shape, interleaved: in
-each of ``--rounds`` rounds every method runs its share of calls in turn, so that a change in the
-machine's load falls on every method alike; on the range's two ends, the variant's hint and two
-random shapes: fp32 eager, the artifact and its unfrozen build, ONNX Runtime, OpenVINO with its defaults (bf16 on CPUs
-with AMX) and OpenVINO f32, each checked against eager on the same inputs. Then, per model, the
-first call at shapes the artifact never met against the steady call, after the hint-only warm-up
-and after the default one (``bench.firstcall``). Prints
-and writes the median ms per shape, their sum and each method's ratio to ONNX Runtime.
+machine (``--build-only``) and the timing alone on a quiet one.
+
+Each method runs in a process of its own (``bench.vision_worker``), started on the allocator it is
+compared on: fp32 eager, ONNX Runtime, OpenVINO with its defaults (bf16 on CPUs with AMX) and
+OpenVINO f32 on glibc's malloc, as their users run them; the artifact and its unfrozen build as
+``precompile serve`` runs them (``--malloc``, default ``auto``: tcmalloc where it is installed, in
+the environment serve gives its worker: ``serving_env``), and the artifact once more on glibc's
+malloc (``precompile fp32 (glibc)``). One process for all cannot do it: the allocator is fixed when
+a process starts, and OpenVINO aborts beside tcmalloc. Timed per shape, interleaved: in each of
+``--rounds`` rounds every method's process runs its share of calls in turn (the others wait, their
+threads asleep), so that a change in the machine's load falls on every method alike; on the range's
+two ends, the variant's hint and two random shapes, each method checked against eager on the same
+inputs (a peer that refuses a shape is left out, with its reason). Then, per model, the first call
+at shapes the artifact never met against the steady call, after the hint-only warm-up and after the
+default one (``bench.firstcall``, fresh processes on the artifact's allocator). Prints and writes
+the median ms per shape, their sum, each method's ratio to ONNX Runtime and the allocator its
+process ran on (``loader.malloc.in_use``).
 
 ``--reorders``: what does not depend on the machine's load: per model and shape, the reorders oneDNN
 runs in one steady call of the artifact (``ONEDNN_VERBOSE``, a fresh process per artifact, the
@@ -37,6 +47,7 @@ Needs the bench extra (make venv-bench). Time it on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -51,15 +62,20 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
+from loader.malloc import PRELOAD_ENV, MallocError, resolve
 from precompile.errors import PrecompileError
+from precompile.serve.server import serving_env
 
 from . import firstcall
-from .precision import PROFILES, ROOT, artifact_methods, peer_methods
+from .precision import PEER_LABELS, PROFILES, ROOT, peer_label
+from .vision_worker import Worker, WorkerFailed
 
 MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y", "segformer")
 PEER = "ONNX Runtime (f32)"  # the ratios' reference
+EAGER = "eager fp32"  # the reference outputs
 
 
 def suite_shapes(hint: dict[str, int], seed: int = 22) -> list[dict[str, int]]:
@@ -129,79 +145,117 @@ def dynamic_fp32(result: Any) -> Any:
     return variant
 
 
-def interleaved_ms(methods: dict[str, Callable[[], Any]], seconds: float, rounds: int = 5) -> dict[str, float]:
+def interleaved_ms(
+    methods: dict[str, Callable[[int], list[float]]], seconds: float, rounds: int = 5
+) -> dict[str, float]:
     """Each method's median ms per call, timed in ``rounds`` rounds of about ``seconds / rounds`` per
-    method each, one method after another within a round."""
-    per_call = {}
-    for label, fn in methods.items():  # warm, and learn how many calls fill a round
-        fn()
-        start = time.perf_counter()
-        fn()
-        per_call[label] = time.perf_counter() - start
+    method each, one method after another within a round. A method is given a number of calls and
+    returns the ms each took."""
+    per_call = {label: fn(2)[-1] / 1000 for label, fn in methods.items()}  # warm, and learn how many calls fill a round
     times: dict[str, list[float]] = {label: [] for label in methods}
     for _ in range(rounds):
         for label, fn in methods.items():
-            for _ in range(max(1, min(200, int(seconds / rounds / max(per_call[label], 1e-6))))):
-                t = time.perf_counter()
-                fn()
-                times[label].append((time.perf_counter() - t) * 1000)
+            times[label] += fn(max(1, min(200, int(seconds / rounds / max(per_call[label], 1e-6)))))
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None], *, rounds: int = 5) -> dict[str, Any]:
-    """Build (or reuse) ``name``'s vision profile in ``work``, check and time its methods (the module docstring)."""
-    import loader
-    from precompile.profile import load_profile
-    from precompile.samples import make_inputs
-    from precompile.stages.resolve import resolve_model
+@dataclass(frozen=True)
+class Method:
+    """One compared method: its label, what its process runs (a ``bench.vision_worker`` method and
+    the artifact or ONNX file it opens) and the allocator that process starts on (a ``--malloc`` choice)."""
 
+    label: str
+    kind: str
+    path: Path | None
+    malloc: str
+
+
+def compared(built: Built, onnx: Path | None, malloc: str) -> list[Method]:
+    """Eager, our artifact on ``malloc`` (as ``precompile serve --malloc`` runs it) and on glibc's
+    malloc where that differs, its unfrozen build on ``malloc``, and the peers on the ONNX export
+    (where there is one): eager and the peers on glibc's malloc, as their users run them."""
+    ours = [Method("precompile fp32", "precompile", built.result.path, malloc)]
+    if resolve(malloc) is not None:
+        ours.append(Method("precompile fp32 (glibc)", "precompile", built.result.path, "system"))
+    ours.append(Method("precompile fp32 unfrozen", "precompile", built.unfrozen.path, malloc))
+    peers = [Method(label, kind, onnx, "system") for kind, label in PEER_LABELS.items()] if onnx else []
+    return [Method(EAGER, "eager", None, "system"), *ours, *peers]
+
+
+def process_env(malloc: str) -> dict[str, str]:
+    """The environment a method's process starts with: this one's, with no allocator preloaded, plus
+    what ``precompile serve`` adds for one worker (``serving_env``: OpenMP's wait policy and threads,
+    ``malloc``'s allocator preloaded)."""
+    base = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}  # the user's allocator is --malloc's to choose
+    return {**base, **serving_env(1, base, malloc=malloc)}
+
+
+def start_workers(
+    methods: list[Method], built: Built, shapes: list[dict[str, int]], folder: Path,
+    failed: dict[str, str], log: Callable[[str], None],
+) -> dict[str, Worker]:  # fmt: skip
+    """Each method's process, started one after another and loaded; one that fails to is in ``failed``."""
+    workers: dict[str, Worker] = {}
+    for n, m in enumerate(methods):
+        try:
+            worker = Worker(
+                m.kind, profile=built.profile, shapes=shapes, folder=folder, env=process_env(m.malloc),
+                artifact=m.path if m.kind == "precompile" else None, onnx=m.path if m.kind in PEER_LABELS else None,
+                name=f"{n}-{m.kind}",
+            )  # fmt: skip
+        except WorkerFailed as e:
+            failed[m.label] = str(e)
+            log(f"{built.profile.parent.name}: {m.label} did not load, left out: {e}")
+            continue
+        label = peer_label(m.kind, worker.ready["facts"]) if m.kind in PEER_LABELS else m.label
+        workers[label] = worker
+    return workers
+
+
+def run_model(
+    name: str, work: Path, seconds: float, log: Callable[[str], None], *, rounds: int = 5, malloc: str = "auto"
+) -> dict[str, Any]:
+    """Build (or reuse) ``name``'s vision profile in ``work``, check and time its methods, each in its
+    own process (the module docstring); our artifact's on ``malloc``'s allocator."""
     built = build_model(name, work, log)
     result, variant = built.result, dynamic_fp32(built.result)
-    loaded = load_profile(built.profile)
-    profile, model = loaded.profile, resolve_model(loaded)
-    threads = torch.get_num_threads()
-
-    def eager(args: tuple) -> torch.Tensor:
-        with torch.no_grad():
-            return model(*args)
-
-    unfrozen = loader.load(built.unfrozen.path, precision="fp32")
-    methods: dict[str, Callable[[tuple], torch.Tensor]] = {
-        "eager fp32": eager,
-        **artifact_methods(result),
-        "precompile fp32 unfrozen": lambda args: unfrozen(*args),
-    }
-    engines: dict[str, Any] = {}
     onnx = built.profile.parent / "model.onnx"
-    if onnx.is_file():
-        peers, engines = peer_methods(str(onnx), list(profile.inputs), threads)
-        methods.update(peers)
-    else:
+    if not onnx.is_file():
         log(f"{name}: no ONNX export (see {onnx.with_suffix('.log')}): peers skipped")
-
     shapes = suite_shapes(variant.hint)
     error: dict[str, float] = {}
     failed: dict[str, str] = {}
     rows = []
-    for i, sizes in enumerate(shapes):
-        args = make_inputs(profile, sizes, seed=100 + i)
-        want = eager(args)
-        scale = float(want.abs().max())
-        for label, fn in list(methods.items()):  # each method against eager, on the timed inputs
-            try:
-                got = fn(args)
-            except Exception as e:  # a peer refusing a shape (OpenVINO: EfficientNet's 1280² pool) is its result
-                failed[label] = f"{sizes}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-                log(f"{name}: {label} failed, left out: {failed[label]}")
-                del methods[label]
-                continue
-            error[label] = max(error.get(label, 0.0), float((got - want).abs().max()) / scale)
-        row: dict[str, Any] = {"dims": sizes}
-        row.update(interleaved_ms({k: (lambda f=f: f(args)) for k, f in methods.items()}, seconds, rounds))
-        rows.append(row)
-        log(f"  {sizes}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "dims"))
-    totals = {label: sum(r[label] for r in rows if label in r) for label in methods}
-    first = firstcall.measure([result.path], shapes=2, repeat=max(3, int(10 * seconds)))
+    with tempfile.TemporaryDirectory(prefix=f"vision-{name}-") as tmp, contextlib.ExitStack() as running:
+        methods = compared(built, onnx if onnx.is_file() else None, malloc)
+        workers = start_workers(methods, built, shapes, Path(tmp), failed, log)
+        for worker in workers.values():
+            running.callback(worker.close)
+        if EAGER not in workers:
+            raise WorkerFailed(f"{EAGER}: {failed[EAGER]}")
+        ready = {label: w.ready for label, w in workers.items()}
+        log(f"{name}: " + ", ".join(f"{label} on {r['malloc']}" for label, r in ready.items()))
+        for i, sizes in enumerate(shapes):
+            want = workers[EAGER].output(i)
+            scale = float(np.abs(want).max())
+            for label, worker in list(workers.items()):  # each method against eager, on the same inputs
+                try:
+                    got = want if label == EAGER else worker.output(i)
+                except WorkerFailed as e:  # a peer refusing a shape (OpenVINO: EfficientNet's 1280² pool) is its result
+                    failed[label] = f"{sizes}: {e}"
+                    log(f"{name}: {label} failed, left out: {failed[label]}")
+                    worker.close()
+                    del workers[label]
+                    continue
+                diff = float(np.abs(got.astype(np.float64) - want).max())
+                error[label] = max(error.get(label, 0.0), diff / scale)
+            row: dict[str, Any] = {"dims": sizes}
+            row.update(interleaved_ms({k: (lambda n, w=w: w.time(i, n)) for k, w in workers.items()}, seconds, rounds))
+            rows.append(row)
+            log(f"  {sizes}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "dims"))
+    totals = {label: sum(r[label] for r in rows if label in r) for label in workers}
+    # In fresh processes of its own, on the allocator the artifact was timed on.
+    first = firstcall.measure([result.path], shapes=2, repeat=max(3, int(10 * seconds)), env=process_env(malloc))
     log(firstcall.report(first) + "\n" + firstcall.summary(first))
     return {
         "model": name,
@@ -212,9 +266,10 @@ def run_model(name: str, work: Path, seconds: float, log: Callable[[str], None],
         "total_ms": totals,
         "max_relative_error_vs_eager": error,
         "failed_methods": failed,
+        "malloc": {label: r["malloc"] for label, r in ready.items()},
         "first_call": first,
-        "engines": engines,
-        "threads": threads,
+        "engines": {PEER_LABELS[r["method"]]: r["facts"] for r in ready.values() if r["method"] in PEER_LABELS},
+        "threads": ready[EAGER]["threads"],
     }
 
 
@@ -299,7 +354,8 @@ def summary(results: list[dict[str, Any]]) -> str:
         for label, total in sorted(r["total_ms"].items(), key=lambda kv: kv[1]):
             ratio = f"{total / peer:5.2f}× ONNX Runtime" if peer else ""
             err = r["max_relative_error_vs_eager"][label]
-            lines.append(f"  {label:<28} {total:9.1f} ms  {ratio}   max rel. error {err:.1e}")
+            malloc = r.get("malloc", {}).get(label, "system")  # results from before each method had its process
+            lines.append(f"  {label:<28} {total:9.1f} ms  {ratio}   max rel. error {err:.1e}   on {malloc}")
         for label, why in r["failed_methods"].items():
             lines.append(f"  {label:<28} failed: {why}")
         lines += ["  " + line for line in firstcall.summary(r["first_call"]).splitlines()]
@@ -315,9 +371,22 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="build into (and reuse builds from) this folder, not a temporary one")
     parser.add_argument("--build-only", action="store_true", help="with --work: build and export, time nothing")
     parser.add_argument("--reorders", action="store_true", help="with --work: oneDNN's reorders per call, no timing")
+    parser.add_argument(
+        "--malloc", default="auto", metavar="auto|tcmalloc|jemalloc|system|PATH",
+        help="the allocator our artifact's processes run on, as `precompile serve --malloc` (default auto: "
+        "tcmalloc where installed); it is timed on glibc's malloc too",
+    )  # fmt: skip
     args = parser.parse_args()
     if (args.build_only or args.reorders) and not args.work:
         parser.error("--build-only and --reorders need --work (the folder the builds are kept in)")
+    try:
+        library = resolve(args.malloc)
+    except MallocError as e:
+        parser.error(str(e))
+    if library is None and args.malloc == "auto" and not (args.build_only or args.reorders):
+        print(
+            "tcmalloc is not installed here (Debian/Ubuntu: libtcmalloc-minimal4): our artifact runs on glibc's malloc"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     log = lambda s: print(s, flush=True)  # noqa: E731
     results = []
@@ -335,8 +404,8 @@ def main() -> None:
                     log(reorders_report(name, rows) + "\n" + reorders_report(f"{name} unfrozen", cold))
                     results.append({"model": name, "reorders": rows, "reorders_unfrozen": cold})
                 else:
-                    results.append(run_model(name, work, args.seconds, log, rounds=args.rounds))
-            except PrecompileError as e:  # one model that does not build leaves the others to run
+                    results.append(run_model(name, work, args.seconds, log, rounds=args.rounds, malloc=args.malloc))
+            except (PrecompileError, WorkerFailed) as e:  # one model that does not build or run leaves the others to
                 print(f"{name}: failed: {e}", flush=True)
                 results.append({"model": name, "failed": str(e)})
     if args.build_only:

@@ -6,6 +6,7 @@ The quick run compiles for a few minutes, so it runs only under ``make bench-qui
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -277,3 +278,41 @@ def test_quick_run_writes_results_and_every_method_matches_eager(tmp_path):
     assert "than ONNX Runtime on seq2seq-quick" in md or "ONNX Runtime is" in md
     for chart in ("coldstart.png", "steady.png"):
         assert (tmp_path / chart).read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_vision_worker_answers_as_the_method_in_process_on_the_allocator_asked(
+    classifier_artifact, classifier_profile, tmp_path
+):
+    import loader
+    from bench.vision import process_env
+    from bench.vision_worker import Worker, WorkerFailed
+    from loader.malloc import resolve
+    from precompile.profile import load_profile
+    from precompile.samples import make_inputs
+    from precompile.stages.resolve import resolve_model
+
+    malloc = "tcmalloc" if resolve("auto") is not None else "system"  # as `precompile serve` would run it here
+    shapes = [{"batch": 2, "seq": 7}, {"batch": 1, "seq": 5}, {"batch": 9, "seq": 5}]  # the last outside the range
+    loaded = load_profile(classifier_profile)
+    inputs = make_inputs(loaded.profile, shapes[1], seed=101)
+    with torch.no_grad():
+        wants = {
+            "precompile": loader.load(classifier_artifact, precision="fp32")(*inputs),
+            "eager": resolve_model(loaded)(*inputs),
+        }
+    for method, allocator in (("precompile", malloc), ("eager", "system")):
+        worker = Worker(
+            method, profile=classifier_profile, shapes=shapes, folder=tmp_path, env=process_env(allocator),
+            artifact=classifier_artifact,
+        )  # fmt: skip
+        try:
+            assert worker.ready["malloc"] == allocator
+            torch.testing.assert_close(torch.from_numpy(worker.output(1)), wants[method])
+            times = worker.time(0, 3)
+            assert len(times) == 3 and all(t > 0 for t in times)
+            with pytest.raises(WorkerFailed, match="batch") if method == "precompile" else contextlib.nullcontext():
+                worker.output(2)  # the artifact refuses a size it was not built for, and goes on answering
+            assert worker.time(1, 1)
+        finally:
+            worker.close()
+        assert worker.proc.returncode == 0
