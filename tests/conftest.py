@@ -79,13 +79,15 @@ def classifier_profile(classifier_artifact) -> Path:
 
 
 @pytest.fixture(scope="session")
-def structured_cli_build(tmp_path_factory) -> tuple[Path, str]:
+def structured_cli_build(tmp_path_factory, build_cache) -> tuple[Path, str]:
     """Built through the CLI in a pipe (CliRunner's output is no terminal): (artifact, what the command
-    printed), so tests/test_cli.py reads the lines of this build instead of compiling its own."""
+    printed), so tests/test_cli.py reads the lines of this build instead of compiling its own. Its
+    compile goes into the session's build cache."""
     folder = tmp_path_factory.mktemp("structured")
     profile = write_profile(folder, STRUCTURED_PROFILE)
     out = folder / "artifact"
-    result = CliRunner().invoke(main, ["build", str(profile), "-o", str(out)], catch_exceptions=False)
+    args = ["build", str(profile), "-o", str(out), "--cache", str(build_cache)]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out, result.output
 

@@ -327,7 +327,7 @@ def test_integer_ranges_are_checked_in_the_profile(inputs, policy, problem):
     assert problem in semantic_problems(profile)
 
 
-def test_an_undeclared_range_comes_from_the_embedding_table(tmp_path):
+def test_an_undeclared_range_comes_from_the_embedding_table(tmp_path, build_cache):
     from precompile.progress import Progress
 
     class Notes(Progress):
@@ -339,7 +339,7 @@ def test_an_undeclared_range_comes_from_the_embedding_table(tmp_path):
 
     progress = Notes()
     profile = write_profile(tmp_path, CLASSIFIER_PROFILE.replace(", range: [0, 49]", ""))
-    result = build(profile, tmp_path / "out", progress=progress)
+    result = build(profile, tmp_path / "out", progress=progress, cache=build_cache)  # the classifier's compile
     assert result.manifest.inputs[0].range is not None
     assert (result.manifest.inputs[0].range.min, result.manifest.inputs[0].range.max) == (0, 49)
     assert "inputs.ids: values guarded to [0, 49], the embedding table of 50 rows (valid 0..49)" in progress.lines
