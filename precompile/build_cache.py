@@ -18,16 +18,21 @@ pay it again for every variant. The cache is keyed on everything the compiled co
 - the toolchain: torch's version and sources (Inductor's ``torch_key``), precompile's own sources,
   the C++ compiler's version.
 
-A program holding anything but plain tensors (a script object, torchao's int8 weight tensors) is
-not cached: it compiles as without a cache. An entry is written
-under a temporary name and renamed into place, so concurrent builds never see half of one; an entry
-whose files do not match their recorded digests is ignored and written again. What comes from the
-cache is checked against eager like any compile. Entries are not evicted: delete the folder (or
-old entries in it) to reclaim space; an entry holds the variant's code and its weights.
+Builds sharing a cache compile each key once: a build about to compile a key holds its lock
+(``flock`` on ``<key>.lock``), and another build wanting the same key waits for it, then copies its
+entry (parallel CI jobs on one host, compile workers, a test suite's processes). A program holding
+anything but plain tensors (a script object, torchao's int8 weight tensors) is not cached: it
+compiles as without a cache. An entry is written under a temporary name and renamed into place, so
+concurrent builds never see half of one; an entry whose files do not match their recorded digests
+is ignored and written again. What comes from the cache is checked against eager like any
+compile. Entries are not evicted: delete the folder (or old entries in it) to reclaim space; an
+entry holds the variant's code and its weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -100,6 +105,25 @@ def compile_key(ep: torch.export.ExportedProgram, configs: dict[str, Any], targe
     except _Uncacheable:
         return None
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def claimed(folder: Path, key: str) -> Iterator[None]:
+    """Hold the lock of ``key``: another build of the same key waits here until this one has looked
+    it up and written it. Where the file system has no locks, builds go on without one."""
+    path = folder / key[:2] / f"{key}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield  # closing the file releases the lock, as does the process dying
 
 
 def lookup(folder: Path, key: str, out: Path) -> tuple[dict[str, torch.Tensor], bool] | None:

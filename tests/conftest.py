@@ -54,8 +54,12 @@ def write_profile(folder: Path, text: str, name: str = "profile.yaml") -> Path:
 @pytest.fixture(scope="session")
 def build_cache(tmp_path_factory) -> Path:
     """The session's build cache (``precompile.build_cache``): builds that compile what another
-    build of the session compiled already (the same model from another source) pass it."""
-    return tmp_path_factory.mktemp("build-cache")
+    build of the session compiled already (the same model from another source) pass it. Under
+    pytest-xdist, one folder for every worker: each session fixture compiles once for them all."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "build-cache"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")

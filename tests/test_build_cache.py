@@ -7,7 +7,10 @@ one that fails with that function's message tried to compile. No test compiles a
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -95,3 +98,24 @@ def test_a_cache_that_is_not_a_folder_is_one_line_naming_it(tmp_path, monkeypatc
     result = CliRunner().invoke(main, ["build", str(profile)])
     assert result.exit_code == 1 and f"(from ${ENV})" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "artifacts").exists()
+
+
+def test_two_builds_of_one_model_at_once_compile_it_once(tmp_path):
+    """Two processes, one empty cache: one compiles while the other waits on the key's lock, then
+    copies the entry the first wrote."""
+    profile = write_profile(tmp_path, CLASSIFIER_PROFILE)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", ENV: str(tmp_path / "cache")}
+    builds = [
+        subprocess.Popen(
+            [sys.executable, "-m", "precompile", "build", str(profile), "-o", str(tmp_path / f"out{i}")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [b.communicate(timeout=300)[0] for b in builds]
+    assert [b.returncode for b in builds] == [0, 0], outputs
+    assert sorted("(from the build cache)" in out for out in outputs) == [False, True], outputs
+    assert len(list((tmp_path / "cache").rglob("record.json"))) == 1

@@ -8,6 +8,7 @@ package, not from the module's state dict, gives exactly the tensors the compile
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import warnings
@@ -63,22 +64,23 @@ def compile_package(
     convnets.rewrite(ep)  # Inductor defects around pooling and convolutions (precompile.passes.convnets)
     shim, not_standalone = None, None
     key = _cache_key(ep, configs, device, multi_arch, isa) if cache and not (wanted and device == "cpu") else None
-    hit = build_cache.lookup(Path(cache), key, out) if cache and key else None
-    if hit is not None:
-        constants, embedded = hit
-    else:
-        if wanted and device == "cpu":
-            shim, not_standalone = _compile_standalone(ep, raw, configs, isa, out.parent.parent)
-        if shim is None:
-            _compile(ep, raw, configs, isa, shapes)
-        if embedded:
-            raw.replace(out)
-            constants = {}
+    with build_cache.claimed(Path(cache), key) if cache and key else contextlib.nullcontext():
+        hit = build_cache.lookup(Path(cache), key, out) if cache and key else None
+        if hit is not None:
+            constants, embedded = hit
         else:
-            constants = _strip_weights(raw, out)
-            raw.unlink()
-        if cache and key:
-            build_cache.store(Path(cache), key, out, constants, embedded)
+            if wanted and device == "cpu":
+                shim, not_standalone = _compile_standalone(ep, raw, configs, isa, out.parent.parent)
+            if shim is None:
+                _compile(ep, raw, configs, isa, shapes)
+            if embedded:
+                raw.replace(out)
+                constants = {}
+            else:
+                constants = _strip_weights(raw, out)
+                raw.unlink()
+            if cache and key:
+                build_cache.store(Path(cache), key, out, constants, embedded)
     runner = open_package(str(out), device_index=0 if device == "cuda" else None)
     missing = set(runner.get_constant_fqns()) - set(constants)
     if missing and not embedded:
