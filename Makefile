@@ -23,8 +23,11 @@ demo: venv
 
 # The checks that take seconds first: ruff (format and lint, [tool.ruff]) and the import contracts
 # ([tool.importlinter]) in pyproject.toml; then the tests, which take minutes. `make lint` alone: the first two.
+# The tests run in TEST_WORKERS processes (pytest-xdist), a file's tests in one of them; the session's
+# artifacts compile once for all of them through one build cache (tests/conftest.py: build_cache).
+TEST_WORKERS ?= 2
 test: lint triton
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: venv
 	$(VENV)/bin/ruff format --check --quiet .
