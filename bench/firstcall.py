@@ -8,8 +8,10 @@ Prints one row per shape, then one line per artifact and warm-up (``summary``): 
 Each artifact is loaded in a fresh process per ``--warmup-shapes`` mode, as a server loads it
 (``loader.load``: every variant warmed up on its hint shape; with ``auto`` or ``range``, a dynamic
 variant on the largest shape of its ranges too, ``loader.warmup``). Then, for each dynamic variant,
-``--shapes`` shapes drawn inside its ranges (none of them the hint, the same in every mode): the first
-call's time, then the median of ``--repeat`` calls of the same shape; beside the wall times, the
+``--shapes`` shapes drawn inside its ranges (none of them the hint or a traffic shape, the same in
+every mode), then up to ``--shapes`` of its traffic's shapes (the manifest's ``warm``, which the
+``auto`` and ``range`` warm-ups run; rows marked ``traffic``): the first call's time, then the
+median of ``--repeat`` calls of the same shape; beside the wall times, the
 process's CPU time and minor page faults of the first call and of a steady one, which depend far
 less on the machine's load. What the first call pays over the steady one is oneDNN creating its
 primitives for the shape (descriptor and JIT), and fresh pages for buffers larger than any met before
@@ -82,8 +84,8 @@ def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dic
         if v.kind != "dynamic" or v.id not in model.variant_precision:
             continue
         warmed = model.warmed.get(v.id, [])
-        for _ in range(shapes):
-            sizes = _unseen(rng, v, [dict(v.hint), loader.warmup.largest(v)])
+        unseen = [_unseen(rng, v, [dict(v.hint), loader.warmup.largest(v), *v.warm]) for _ in range(shapes)]
+        for kind, sizes in [*(("unseen", s) for s in unseen), *(("traffic", dict(s)) for s in v.warm[:shapes])]:
             args = [_input(torch, spec, sizes, rng) for spec in model.manifest.inputs]
             first, first_cpu, first_faults = _timed(model, v.id, args)
             times = [_timed(model, v.id, args) for _ in range(repeat)]
@@ -91,7 +93,7 @@ def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dic
             rows.append({
                 "artifact": str(path), "model": model.name, "warmup": warmup_shapes, "load_s": load_s, "warmed": warmed,
                 "malloc": in_use(),
-                "variant": v.id, "precision": v.precision, "dims": sizes,
+                "variant": v.id, "precision": v.precision, "dims": sizes, "shape": kind,
                 "first_ms": first, "steady_ms": steady, "ratio": first / steady,
                 "first_cpu_ms": first_cpu, "steady_cpu_ms": statistics.median(t[1] for t in times),
                 "first_faults": first_faults, "steady_faults": statistics.median(t[2] for t in times),
@@ -131,8 +133,10 @@ def _input(torch: Any, spec: Any, sizes: dict[str, int], rng: random.Random) -> 
 
 
 def _name(r: dict[str, Any]) -> str:
-    """A row's model (its manifest's name; the artifact's folder where it failed) and the load's warm-up mode."""
-    return f"{r.get('model') or Path(r['artifact']).name} [warm-up: {r.get('warmup', 'hint')}]"
+    """A row's model (its manifest's name; the artifact's folder where it failed), the load's warm-up
+    mode, and for a shape of the build's traffic (``plan.warm_shapes``) rather than an unseen one, so."""
+    traffic = " traffic" if r.get("shape") == "traffic" else ""
+    return f"{r.get('model') or Path(r['artifact']).name} [warm-up: {r.get('warmup', 'hint')}]{traffic}"
 
 
 def report(rows: list[dict[str, Any]]) -> str:
@@ -171,12 +175,14 @@ def per_artifact(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         out[name] = {
             "shapes": len(ratios), "median": statistics.median(ratios), "worst": worst, "met": worst <= TARGET,
             "first_faults": sum(r["first_faults"] for r in done), "load_s": done[0]["load_s"],
+            "kind": done[0].get("shape", "unseen"),
         }  # fmt: skip
     return out
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """One line per artifact and warm-up mode: the first call against the steady one over its unseen shapes."""
+    """One line per artifact and warm-up mode (and its traffic's shapes apart): the first call against
+    the steady one over those shapes."""
     lines = []
     for name, s in per_artifact(rows).items():
         if "failed" in s:
@@ -184,7 +190,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
             continue
         verdict = "met" if s["met"] else "not met"
         lines.append(
-            f"{name}: first call {s['median']:.2f}× the steady one (median of {s['shapes']} unseen shapes), "
+            f"{name}: first call {s['median']:.2f}× the steady one (median of {s['shapes']} {s['kind']} shapes), "
             f"worst {s['worst']:.2f}×: target ≤ {TARGET}× {verdict}; {s['first_faults']} page faults in "
             f"the first calls, load {s['load_s']:.2f} s"
         )

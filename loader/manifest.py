@@ -132,6 +132,10 @@ class Variant:
     # extern kernel left, ...); it runs on torch's libraries as before.
     shim: str | None = None
     not_standalone: str | None = None
+    # A dynamic variant's hottest shapes in the build's traffic after its hint (the profile's
+    # plan.warm_shapes), hottest first: load's warm-up runs them too (loader.warmup), so that their
+    # first calls find oneDNN's primitives created.
+    warm: tuple[dict[str, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -162,6 +166,8 @@ class Variant:
             out["shim"] = self.shim
         if self.not_standalone is not None:
             out["not_standalone"] = self.not_standalone
+        if self.warm:  # only when set, as above
+            out["warm"] = [dict(s) for s in self.warm]
         return out
 
 
@@ -710,8 +716,10 @@ def _parse_constants(r: _Reader, value: Any) -> dict[str, ConstantSpec]:
 
 VARIANT_KEYS = (
     "id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants",
-    "needs_torch", "shim", "not_standalone",
+    "needs_torch", "shim", "not_standalone", "warm",
 )  # fmt: skip
+# At most this many warm-up shapes per variant (the profile's plan.warm_shapes allows 64).
+MAX_WARM_SHAPES = 64
 PRECISION_KEYS = ("precision", "cpu_features", "gate", "isa")
 CPU_FEATURE_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 ISA_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -777,6 +785,7 @@ def _parse_variant(
             f"{where}.shim", f"{shim!r} is not listed in files" if device == "cpu" else "only a CPU variant has one"
         )
     not_standalone = None if v.get("not_standalone") is None else r.str(v["not_standalone"], f"{where}.not_standalone")
+    warm = _parse_warm(r, v.get("warm", []), f"{where}.warm", vdims, static=kind == "static")
     return Variant(
         vid,
         kind,
@@ -795,7 +804,28 @@ def _parse_variant(
         needs_torch,
         shim,
         not_standalone,
+        warm,
     )
+
+
+def _parse_warm(
+    r: _Reader, value: Any, where: str, vdims: dict[str, DimRange], *, static: bool
+) -> tuple[dict[str, int], ...]:
+    """A dynamic variant's ``warm`` shapes: each a size for exactly its dims, inside its ranges."""
+    items = r.list(value, where, max_len=MAX_WARM_SHAPES)
+    if items and static:
+        raise r.fail(where, "a static variant has one shape, its hint; warm is for dynamic variants")
+    out = []
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict) or set(item) != set(vdims):
+            raise r.fail(at, f"must give a size for exactly the dims {sorted(vdims)}")
+        sizes = r.sizes(item, at, vdims)
+        for name, n in sizes.items():
+            if not vdims[name].min <= n <= vdims[name].max:
+                raise r.fail(f"{at}.{name}", f"{n} is outside the variant's range {vdims[name]}")
+        out.append(sizes)
+    return tuple(out)
 
 
 def _parse_variant_dims(

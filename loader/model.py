@@ -158,10 +158,9 @@ def load(
       it); ``import loader`` sizes oneDNN's caches so that the shapes already met stay compiled
       (``loader.threads.onednn_cache_env``).
     - ``warmup_shapes``: what the warm-up runs on a dynamic variant after its hint. ``"auto"`` (default):
-      the largest shape its ranges hold too, when that call's estimate (the hint's time scaled by the
-      elements) fits ``loader.warmup.BUDGET_SECONDS``, so a first call at any shape finds its buffers
-      mapped (``loader.warmup``); ``"range"``: always; ``"hint"``: the hint only. ``model.warmed``
-      says what ran.
+      the largest shape its ranges hold (its buffers then mapped for any shape), then the traffic's
+      hottest shapes (``plan.warm_shapes``), each part while its estimate fits ``loader.warmup.BUDGET_SECONDS``
+      (``loader.warmup``); ``"range"``: all of them; ``"hint"``: the hint only. ``model.warmed`` says what ran.
     - ``cpu_isa``: an artifact built for several CPU ISAs (the profile's ``cpu.isa``) serves, by default
       (``"auto"``), the variants of the best one this CPU runs (``native`` first, then ``x86-64-v4``,
       ``x86-64-v3``); naming one (``"x86-64-v3"``) serves that one, e.g. for the same numerics on every

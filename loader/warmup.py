@@ -23,9 +23,15 @@ at unseen shapes fault 30× less for ResNet-50 on glibc (16× on tcmalloc), 4× 
 afresh on every call; the README's "The loader" has the table); and their convolutions run about as
 fast as in the steady call.
 
+What a warm-up can give the shapes themselves is their primitives: a dynamic variant's ``warm``
+shapes (the hottest of the build's traffic it serves after its hint, the profile's
+``plan.warm_shapes``) are run too, so that their first calls in serving find oneDNN's primitives
+created (``bench.firstcall`` reports both kinds of shape).
+
 ``warmup_shapes`` (``loader.load``): ``"auto"`` (the default) warms the largest shape when its
-estimated time (the hint's warm-up call scaled by the number of elements) fits ``BUDGET_SECONDS``;
-``"range"`` always does; ``"hint"`` runs the hint only (as before).
+estimated time (the hint's warm-up call scaled by the number of elements) fits ``BUDGET_SECONDS``,
+then the ``warm`` shapes, hottest first, while their estimates' sum fits ``BUDGET_SECONDS``;
+``"range"`` warms all of them, whatever the time; ``"hint"`` runs the hint only (as before).
 """
 
 from __future__ import annotations
@@ -64,12 +70,22 @@ def estimate_seconds(variant: Variant, sizes: dict[str, int], hint_seconds: floa
 def after_hint(
     variant: Variant, mode: str, hint_seconds: float, *, budget: float = BUDGET_SECONDS
 ) -> list[dict[str, int]]:
-    """The shapes to warm after the hint, which took ``hint_seconds``: the largest shape, or none
-    (``"hint"``; a static variant; ``"auto"`` when its estimate exceeds ``budget``)."""
+    """The shapes to warm after the hint, which took ``hint_seconds``: the largest shape, then the
+    variant's hottest traffic shapes (``variant.warm``, hottest first), or none (``"hint"``; a static
+    variant). With ``"auto"``, the largest shape when its estimate fits ``budget``, and the traffic
+    shapes while the sum of their estimates does (a budget of its own: the largest shape's is spent
+    on memory every shape uses, theirs on the shapes the build saw most)."""
     check_warmup_shapes(mode)
+    if variant.kind != "dynamic" or mode == "hint":
+        return []
     big = largest(variant)
-    if big is None or mode == "hint":
-        return []
-    if mode == "auto" and estimate_seconds(variant, big, hint_seconds) > budget:
-        return []
-    return [big]
+    shapes = [] if big is None or (mode == "auto" and estimate_seconds(variant, big, hint_seconds) > budget) else [big]
+    spent = 0.0
+    for sizes in variant.warm:
+        if sizes == big:
+            continue
+        spent += estimate_seconds(variant, sizes, hint_seconds)
+        if mode == "auto" and spent > budget:
+            break
+        shapes.append(dict(sizes))
+    return shapes

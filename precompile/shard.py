@@ -209,6 +209,7 @@ def _plan_to_dict(vp: VariantPlan) -> dict[str, Any]:
 def _plan_from_dict(raw: dict[str, Any]) -> VariantPlan:
     raw = dict(raw)
     raw["ranges"] = {d: (int(lo), int(hi)) for d, (lo, hi) in raw["ranges"].items()}
+    raw["warm"] = tuple(dict(sizes) for sizes in raw.get("warm", ()))
     return VariantPlan(**raw)
 
 

@@ -33,6 +33,9 @@ class VariantPlan:
     dtype: str | None = None  # compute dtype (CUDA variants); None: the model's own
     precision: str = "fp32"  # fp32 | bf16 | int8 (precompile.stages.quantize)
     isa: str | None = None  # the x86-64 level a CPU variant is compiled for (cpu.isa); None: the build host's
+    # A dynamic variant's hottest observed shapes (plan.warm_shapes of them, its planned hint first),
+    # which the loader's warm-up runs so that their first calls meet compiled kernels (loader.warmup).
+    warm: tuple[dict[str, int], ...] = ()
 
     @property
     def base_id(self) -> str:

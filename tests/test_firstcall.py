@@ -88,3 +88,18 @@ def test_load_native_warms_the_same_shapes(tagger_build):
     native = loader.load_native(tagger_build.path, open="eager", warmup_shapes="range")
     torch_model = loader.load(tagger_build.path, open="eager", warmup_shapes="range")
     assert native.warmed == torch_model.warmed
+
+
+def test_auto_warms_the_traffic_s_shapes_hottest_first_within_a_budget_of_their_own(tagger_build):
+    (v, *_) = [v for v in tagger_build.manifest.variants if v.kind == "dynamic"]
+    big = largest(v)
+    small, mid, other = ({"batch": b, "seq": s} for b, s in ((1, v.dims["seq"].min), (4, v.dims["seq"].max), (2, 6)))
+    v = dataclasses.replace(v, warm=(small, big, mid, other))  # big is warmed once, as the largest shape
+    per_element = 1.0 / estimate_seconds(v, {d: 1 for d in v.hint}, 1.0)  # hint seconds that make one element 1 s
+    cost = {name: estimate_seconds(v, s, per_element) for name, s in (("small", small), ("mid", mid), ("other", other))}
+    # a budget the largest shape is over, that the first two traffic shapes fit and the third does not
+    budget = cost["small"] + cost["mid"] + 0.5 * cost["other"]
+    assert estimate_seconds(v, big, per_element) > budget
+    assert after_hint(v, "auto", per_element, budget=budget) == [small, mid]
+    assert after_hint(v, "range", per_element, budget=budget) == [big, small, mid, other]
+    assert after_hint(v, "hint", per_element) == []

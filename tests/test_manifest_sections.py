@@ -134,6 +134,13 @@ CASES: dict[str, tuple[Callable[[dict], None], str]] = {
     ),
     "variant-precision-unknown": (_set("variants[0].precision", "fp8"), "variants[0].precision"),
     "variant-fp32-with-a-gate": (_set("variants[0].gate", {"kept": True}), "variants[0]"),
+    # a dynamic variant's warm-up shapes (variants[2]: dynamic-0, batch [1,8], seq [4,16])
+    "variant-warm-an-object": (_set("variants[2].warm", {}), "variants[2].warm"),
+    "variant-warm-too-many": (_set("variants[2].warm", [{"batch": 1, "seq": 4}] * 65), "variants[2].warm"),
+    "variant-warm-missing-a-dim": (_set("variants[2].warm", [{"batch": 1}]), "variants[2].warm[0]"),
+    "variant-warm-a-string-size": (_set("variants[2].warm", [{"batch": "1", "seq": 4}]), "variants[2].warm[0].batch"),
+    "variant-warm-outside-its-range": (_set("variants[2].warm", [{"batch": 1, "seq": 30}]), "variants[2].warm[0].seq"),
+    "variant-warm-on-a-static-variant": (_set("variants[0].warm", [{"batch": 1, "seq": 16}]), "variants[0].warm"),
     # check
     "check-a-list": (_set("check", []), "check"),
     "check-extra-key": (_set("check.surprise", 1), "check"),

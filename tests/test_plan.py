@@ -118,6 +118,30 @@ def test_bad_distribution_lines_are_named(tmp_path):
     assert message.endswith("t.jsonl:1: dims ['batch'] are not the profile's ['batch', 'seq']")
 
 
+def test_a_dynamic_variant_is_warmed_on_the_hottest_shapes_it_serves_after_its_hint(tmp_path):
+    shapes = [(1, 128, 4000), (8, 64, 1500), (2, 256, 300), (4, 32, 200), (3, 32, 200), (16, 512, 5), (5, 9, 1)]
+    traffic = "distribution:\n  shapes:\n" + "".join(
+        f"    - {{batch: {b}, seq: {s}, count: {c}}}\n" for b, s, c in shapes
+    )
+    plan = plan_for(tmp_path / "a", traffic + "plan: {max_specialized: 1, coverage: 1.0, warm_shapes: 3}\n")
+    (dynamic,) = [v for v in plan.variants if v.kind == "dynamic"]
+    # static-0 serves 1×128; the dynamic variant's hint is the next hottest, its warm shapes that and
+    # the two after it, the tie at 200 going to the smaller batch
+    assert dynamic.hint == {"batch": 8, "seq": 64}
+    assert dynamic.warm == ({"batch": 8, "seq": 64}, {"batch": 2, "seq": 256}, {"batch": 3, "seq": 32})
+    assert all(v.warm == () for v in plan.variants if v.kind == "static")
+    everything = plan_for(tmp_path / "b", traffic + "plan: {max_specialized: 1, coverage: 1.0}\n")
+    assert len(next(v for v in everything.variants if v.kind == "dynamic").warm) == 6  # default 8: all it serves
+    none = plan_for(tmp_path / "c", traffic + "plan: {max_specialized: 1, coverage: 1.0, warm_shapes: 0}\n")
+    assert next(v for v in none.variants if v.kind == "dynamic").warm == ()
+
+
+def test_warm_shapes_out_of_bounds_is_refused(tmp_path):
+    with pytest.raises(ProfileError) as info:
+        plan_for(tmp_path, "plan: {warm_shapes: 65}\n")
+    assert [place for place, _ in info.value.problems] == ["plan.warm_shapes"]
+
+
 def test_plan_is_deterministic(tmp_path):
     ties = "distribution:\n  shapes:\n" + "".join(f"    - {{batch: {b}, seq: 64, count: 10}}\n" for b in (4, 2, 3, 1))
     first = plan_for(tmp_path / "a", ties + "plan: {max_specialized: 2, coverage: 1.0}\n")

@@ -166,6 +166,13 @@ class PlanSpec(_Strict):
     ranges: dict[str, list[int]] = Field(
         default_factory=dict, description="split points per dim: one dynamic variant per sub-range"
     )
+    warm_shapes: int = Field(
+        default=8,
+        ge=0,
+        le=64,
+        description="per dynamic variant, the hottest observed shapes it serves (besides its hint) that the "
+        "loader's warm-up runs, so their first calls meet compiled kernels",
+    )
     measure: bool = Field(default=False, description="time static candidates at build time, keep those that pay")
     min_speedup: float = Field(
         default=1.05, ge=1.0, description="with measure: minimum speedup over the dynamic variant"

@@ -87,6 +87,7 @@ def assemble_manifest(
                 file=f"{C.VARIANTS_DIR}/{vp.id}{C.VARIANT_SUFFIX}",
                 dims={d: DimRange(*r) for d, r in vp.ranges.items()},
                 hint=dict(vp.hint),
+                warm=tuple(dict(s) for s in vp.warm if s != vp.hint),
                 constants=tuple(sorted(pkg.constants)),
                 device=vp.device,
                 dtype=vp.dtype,

@@ -83,7 +83,8 @@ def plan_variants(profile: Profile, distribution: dict[Shape, int]) -> Plan:
             hint = {d: min(max(profile.hint(d), lo), hi) for d, (lo, hi) in box_ranges.items()}
         kind = "dynamic" if any(lo != hi for lo, hi in box_ranges.values()) else "static"
         vid = ("dynamic" if len(boxes) == 1 else f"dynamic-{i}") if kind == "dynamic" else f"fixed-{i}"
-        dynamic.append(VariantPlan(vid, kind, box_ranges, hint, served / total if total else 0.0, served))
+        warm = _warm_shapes(serves, dims, profile.plan.warm_shapes) if kind == "dynamic" else ()
+        dynamic.append(VariantPlan(vid, kind, box_ranges, hint, served / total if total else 0.0, served, warm=warm))
 
     by_policy: dict[str, int] = {}
     rejected = 0
@@ -109,6 +110,13 @@ def plan_variants(profile: Profile, distribution: dict[Shape, int]) -> Plan:
         rejected_count=rejected,
         out_of_range=tuple((dict(zip(dims, k)), c) for k, c in sorted(outside.items(), key=lambda kv: (-kv[1], kv[0]))),
     )
+
+
+def _warm_shapes(serves: dict[Shape, int], dims: tuple[str, ...], limit: int) -> tuple[dict[str, int], ...]:
+    """The ``limit`` hottest shapes a dynamic variant serves, ties to the smaller shape. The hottest is
+    its planned hint, kept: export may move the hint it compiles with (off a size of 1, or off another
+    dim's size), and the manifest's ``warm`` then leaves out only the hint the variant has."""
+    return tuple(dict(zip(dims, k)) for k, _ in sorted(serves.items(), key=lambda kv: (-kv[1], kv[0]))[:limit])
 
 
 def _policy_serves(profile: Profile, sizes: dict[str, int]) -> bool:
