@@ -17,6 +17,7 @@ import torch._inductor
 from torch import nn
 
 import loader
+from precompile.cli.inspect import describe
 from precompile.options import unit_options, with_kind_defaults
 from precompile.passes import convnets, prepack
 from precompile.pipeline import build
@@ -509,6 +510,7 @@ def test_the_load_warms_a_dynamic_variant_on_its_traffic_s_hottest_shapes(tmp_pa
         {"batch": 1, "height": 28, "width": 44},
     )
     assert v.warm == hot
+    assert "warms at load 3 shape(s) of its traffic: 1×32×32, 2×40×24, 1×28×44" in describe(built.manifest)
     env = {**os.environ, "ONEDNN_VERBOSE": "profile_create", "OMP_WAIT_POLICY": "PASSIVE"}
     shapes = [[1, 1, 32, 32], [2, 1, 40, 24], [1, 1, 28, 44], [1, 1, 44, 30]]  # the traffic's shapes, one unseen
     created, warmed = {}, {}

@@ -57,6 +57,9 @@ def describe(manifest) -> str:
             + (f"  [{v.isa}]" if v.isa else "")
             + ("  [standalone]" if v.shim else "")
         )
+        if v.warm:
+            shapes = ", ".join("×".join(str(s[d]) for d in v.dims) for s in v.warm)
+            lines.append(f"  {'':<18} warms at load {len(v.warm)} shape(s) of its traffic: {shapes}")
         if v.not_standalone:
             lines.append(f"  {'':<18} not standalone: {v.not_standalone}")
         if v.precision != "fp32":
