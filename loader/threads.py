@@ -120,9 +120,11 @@ def threading_problems(
     threads: int | None = None,
     wait_policy: str | None = None,
     load: float | None = None,
+    spin_count: str | None = None,
 ) -> list[str]:
     """Why torch's threading will hurt in this process, as sentences with the fix; [] when it fits.
-    ``load``: the host's runnable work (default: its load average over the last minute)."""
+    ``load``: the host's runnable work (default: its load average over the last minute);
+    ``spin_count``: ``GOMP_SPINCOUNT`` (default: this process's)."""
     allowance = allowance or cpu_allowance()
     if threads is None:
         import torch
@@ -145,7 +147,33 @@ def threading_problems(
             f"({where}): neighbours slow every call; start the process with {WAIT_POLICY_ENV}=PASSIVE, or import "
             "loader before torch (the policy is read when torch is imported)"
         )
+    elif (
+        threads > 1
+        and load >= 1
+        and crowded
+        and _spins(os.environ.get(SPIN_COUNT_ENV) if spin_count is None else spin_count)
+    ):
+        # At least one busy neighbour on average, and no CPU left for every thread of the team: a parallel
+        # region waits for its slowest thread, and a thread that spins before it sleeps loses its CPU to
+        # the neighbour at the next region (bench.spin, MobileNetV2 on 2 threads beside one busy process:
+        # 3-9x slower per call with the short spin than sleeping at once; one thread beats both).
+        free = max(1, int(allowance.host - load))
+        problems.append(
+            f"{threads} OpenMP threads spin briefly before they sleep ({SPIN_COUNT_ENV}="
+            f"{os.environ.get(SPIN_COUNT_ENV) if spin_count is None else spin_count}) on a host whose other work "
+            f"(a load of {load:.1f} on {allowance.host} CPUs) leaves them about {free} CPU(s): every call waits on a "
+            f"thread that lost its CPU; use the CPUs left (load(..., threads={free}); for precompile serve, "
+            f"OMP_NUM_THREADS={free}), or start the process with {SPIN_COUNT_ENV}=0"
+        )
     return problems
+
+
+def _spins(count: str | None) -> bool:
+    """Whether libgomp spins before it sleeps under the passive policy (an unset count: it does not)."""
+    try:
+        return int((count or "0").strip()) > 0
+    except ValueError:
+        return False
 
 
 def _load_average() -> float:

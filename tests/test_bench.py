@@ -316,3 +316,21 @@ def test_a_vision_worker_answers_as_the_method_in_process_on_the_allocator_asked
         finally:
             worker.close()
         assert worker.proc.returncode == 0
+
+
+def test_the_spin_bench_times_each_case_and_spin_count_in_a_process_of_its_own(classifier_artifact):
+    from bench import spin
+
+    assert spin.cases(2, 10) == [(0, 0), (2, 0), (2, 10)] and spin.cases(0, 10) == [(0, 0)]
+    rows = spin.measure(classifier_artifact, seconds=0.05, rounds=1, busy=0, nice=10)
+    assert [(r["busy"], r["nice"], r["spin"]) for r in rows] == [(0, 0, 0), (0, 0, 10000)]
+    from loader.artifact import read_manifest
+
+    (v, *_) = [v for v in read_manifest(classifier_artifact).variants if v.kind == "dynamic" and v.precision == "fp32"]
+    smallest, hint = "x".join(str(r.min) for r in v.dims.values()), "x".join(str(n) for n in v.hint.values())
+    for r in rows:
+        assert "failed" not in r, r.get("failed")
+        assert list(r["p50_ms"]) == list(dict.fromkeys([smallest, hint])) and all(ms > 0 for ms in r["p50_ms"].values())
+    said = spin.report(rows + [{"round": 0, "busy": 1, "nice": 10, "spin": 0, "failed": "boom"}])
+    assert f"quiet                    GOMP_SPINCOUNT=0      {smallest}:" in said
+    assert "1 busy loop(s), nice 10  GOMP_SPINCOUNT=0      failed: boom" in said

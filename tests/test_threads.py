@@ -87,7 +87,22 @@ def test_spin_waiting_beside_other_work_on_the_whole_host_is_a_problem():
     (problem,) = threading_problems(host, threads=8, wait_policy="", load=0.5)
     assert "a load of 0.5 on 8 CPUs" in problem and "import loader before torch" in problem
     assert threading_problems(host, threads=4, wait_policy="", load=3.5) == []  # room for both
-    assert threading_problems(host, threads=8, wait_policy="PASSIVE", load=6.0) == []
+    assert threading_problems(host, threads=8, wait_policy="PASSIVE", load=6.0, spin_count="0") == []
+
+
+def test_a_short_spin_beside_a_busy_neighbour_that_leaves_no_cpu_per_thread_is_a_problem():
+    """The passive policy with GOMP_SPINCOUNT (what import loader sets): on 2 CPUs beside one busy
+    process, 2 threads lose every parallel region to it (bench.spin: 3-9x slower per call)."""
+    two = CpuAllowance(host=2, affinity=2, quota=None)
+    (problem,) = threading_problems(two, threads=2, wait_policy="PASSIVE", load=1.1, spin_count="10000")
+    assert "GOMP_SPINCOUNT=10000" in problem and "(a load of 1.1 on 2 CPUs) leaves them about 1 CPU(s)" in problem
+    assert "load(..., threads=1)" in problem and "OMP_NUM_THREADS=1" in problem and "GOMP_SPINCOUNT=0" in problem
+    assert threading_problems(two, threads=2, wait_policy="PASSIVE", load=1.1, spin_count="0") == []  # sleeps at once
+    assert threading_problems(two, threads=1, wait_policy="PASSIVE", load=1.1, spin_count="10000") == []  # no team
+    assert threading_problems(two, threads=2, wait_policy="PASSIVE", load=0.6, spin_count="10000") == []  # no neighbour
+    eight = CpuAllowance(host=8, affinity=8, quota=None)
+    assert threading_problems(eight, threads=4, wait_policy="PASSIVE", load=3.0, spin_count="10000") == []  # room
+    assert threading_problems(eight, threads=8, wait_policy="PASSIVE", load=2.0, spin_count="junk") == []
 
 
 def test_fit_threads_cuts_torch_to_the_allowance(monkeypatch):
