@@ -68,7 +68,9 @@ def test_unreadable_cgroup_files_mean_no_quota(tmp_path, text):
 
 
 def test_more_threads_than_cpus_is_a_problem_with_the_fix():
-    (problem,) = threading_problems(CpuAllowance(host=8, affinity=8, quota=None), threads=16, wait_policy="PASSIVE")
+    (problem,) = threading_problems(
+        CpuAllowance(host=8, affinity=8, quota=None), threads=16, wait_policy="PASSIVE", load=0.0
+    )
     assert "torch uses 16 threads but this process gets 8 CPU(s)" in problem
     assert "torch.set_num_threads(8)" in problem
 
