@@ -822,7 +822,7 @@ def _parse_warm(
             raise r.fail(at, f"must give a size for exactly the dims {sorted(vdims)}")
         sizes = r.sizes(item, at, vdims)
         for name, n in sizes.items():
-            if not vdims[name].min <= n <= vdims[name].max:
+            if n not in vdims[name]:
                 raise r.fail(f"{at}.{name}", f"{n} is outside the variant's range {vdims[name]}")
         out.append(sizes)
     return tuple(out)

@@ -131,6 +131,7 @@ def threading_problems(
 
         threads = torch.get_num_threads()
     policy = os.environ.get(WAIT_POLICY_ENV) if wait_policy is None else wait_policy
+    spin_count = os.environ.get(SPIN_COUNT_ENV) if spin_count is None else spin_count
     load = _load_average() if load is None else load
     problems = []
     if threads > allowance.cpus:
@@ -147,20 +148,15 @@ def threading_problems(
             f"({where}): neighbours slow every call; start the process with {WAIT_POLICY_ENV}=PASSIVE, or import "
             "loader before torch (the policy is read when torch is imported)"
         )
-    elif (
-        threads > 1
-        and load >= 1
-        and crowded
-        and _spins(os.environ.get(SPIN_COUNT_ENV) if spin_count is None else spin_count)
-    ):
+    elif threads > 1 and load >= 1 and crowded and _spins(spin_count):
         # At least one busy neighbour on average, and no CPU left for every thread of the team: a parallel
         # region waits for its slowest thread, and a thread that spins before it sleeps loses its CPU to
         # the neighbour at the next region (bench.spin, MobileNetV2 on 2 threads beside one busy process:
         # 3-9x slower per call with the short spin than sleeping at once; one thread beats both).
         free = max(1, int(allowance.host - load))
         problems.append(
-            f"{threads} OpenMP threads spin briefly before they sleep ({SPIN_COUNT_ENV}="
-            f"{os.environ.get(SPIN_COUNT_ENV) if spin_count is None else spin_count}) on a host whose other work "
+            f"{threads} OpenMP threads spin briefly before they sleep ({SPIN_COUNT_ENV}={spin_count}) on a host "
+            "whose other work "
             f"(a load of {load:.1f} on {allowance.host} CPUs) leaves them about {free} CPU(s): every call waits on a "
             f"thread that lost its CPU; use the CPUs left (load(..., threads={free}); for precompile serve, "
             f"OMP_NUM_THREADS={free}), or start the process with {SPIN_COUNT_ENV}=0"

@@ -47,7 +47,7 @@ def plan_variants(profile: Profile, distribution: dict[Shape, int]) -> Plan:
     statics: list[VariantPlan] = []
     covered = 0
     if any(lo != hi for lo, hi in ranges.values()):
-        for key, count in sorted(in_range.items(), key=lambda kv: (-kv[1], kv[0])):
+        for key, count in sorted(in_range.items(), key=_heat):
             if len(statics) >= profile.plan.max_specialized or (total and covered / total >= profile.plan.coverage):
                 break
             sizes = dict(zip(dims, key))
@@ -77,7 +77,7 @@ def plan_variants(profile: Profile, distribution: dict[Shape, int]) -> Plan:
         served = sum(serves.values())
         if inside:
             # Tune for the traffic this variant will really serve; the static shapes are served elsewhere.
-            hottest = min((serves or inside).items(), key=lambda kv: (-kv[1], kv[0]))[0]
+            hottest = min((serves or inside).items(), key=_heat)[0]
             hint = dict(zip(dims, hottest))
         else:
             hint = {d: min(max(profile.hint(d), lo), hi) for d, (lo, hi) in box_ranges.items()}
@@ -108,15 +108,20 @@ def plan_variants(profile: Profile, distribution: dict[Shape, int]) -> Plan:
         dynamic_count=sum(v.count for v in dynamic),
         by_policy=by_policy,
         rejected_count=rejected,
-        out_of_range=tuple((dict(zip(dims, k)), c) for k, c in sorted(outside.items(), key=lambda kv: (-kv[1], kv[0]))),
+        out_of_range=tuple((dict(zip(dims, k)), c) for k, c in sorted(outside.items(), key=_heat)),
     )
+
+
+def _heat(item: tuple[Shape, int]) -> tuple[int, Shape]:
+    """The order of a (shape, count) pair among others: the hottest first, ties to the smaller shape."""
+    return -item[1], item[0]
 
 
 def _warm_shapes(serves: dict[Shape, int], dims: tuple[str, ...], limit: int) -> tuple[dict[str, int], ...]:
     """The ``limit`` hottest shapes a dynamic variant serves, ties to the smaller shape. The hottest is
     its planned hint, kept: export may move the hint it compiles with (off a size of 1, or off another
     dim's size), and the manifest's ``warm`` then leaves out only the hint the variant has."""
-    return tuple(dict(zip(dims, k)) for k, _ in sorted(serves.items(), key=lambda kv: (-kv[1], kv[0]))[:limit])
+    return tuple(dict(zip(dims, k)) for k, _ in sorted(serves.items(), key=_heat)[:limit])
 
 
 def _policy_serves(profile: Profile, sizes: dict[str, int]) -> bool:
