@@ -196,7 +196,8 @@ def _value(value: Any) -> str:
 def _tensor_digest(value: Any) -> str:
     if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.is_quantized or value.layout != torch.strided:
         raise _Uncacheable(value)  # a tensor subclass (torchao's int8 weights) has no plain bytes to hash
-    t = value.detach().cpu().contiguous()
+    # Flattened first: a 0-dim tensor (BatchNorm's num_batches_tracked) has no byte view of its own.
+    t = value.detach().cpu().contiguous().reshape(-1)
     data = t.view(torch.uint8) if t.numel() and t.element_size() else t
     return f"{t.dtype}{tuple(value.shape)}{tuple(value.stride())}:{hashlib.sha256(data.numpy().tobytes()).hexdigest()}"
 

@@ -118,3 +118,21 @@ def test_two_builds_of_one_model_at_once_compile_it_once(tmp_path):
     assert [b.returncode for b in builds] == [0, 0], outputs
     assert sorted("(from the build cache)" in out for out in outputs) == [False, True], outputs
     assert len(list((tmp_path / "cache").rglob("record.json"))) == 1
+
+
+@pytest.mark.parametrize("value", [0, 7])
+def test_a_model_with_a_zero_dim_buffer_has_a_key_that_follows_its_value(value):
+    """BatchNorm's ``num_batches_tracked`` is a 0-dim int64: its bytes are hashed like any weight's
+    (it once crashed the build with "self.dim() cannot be 0 to view Long as Byte")."""
+    from precompile.build_cache import compile_key
+
+    def key(tracked: int) -> str | None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
+        model[1].num_batches_tracked.fill_(tracked)
+        ep = torch.export.export(model, (torch.randn(1, 3, 8, 8),))
+        return compile_key(ep, {}, {"device": "cpu"})
+
+    assert key(value) is not None
+    assert key(value) == key(value)
+    assert key(value) != key(value + 1)
