@@ -63,6 +63,8 @@ def test_efficientnet_pools_with_a_mean_over_any_image_size(tmp_path):
     kernels = set(re.findall(r"void\s+(cpp_fused_\w+)\(", generated_code(artifact)))
     assert kernels and not [k for k in kernels if "avg_pool2d" in k]  # no loop over the 64×64 window
     assert [k for k in kernels if "mean" in k]
+    # The stride-2 depthwise convolutions' pads are their own padding: only the dense stem's is a copy.
+    assert len([k for k in kernels if "pad" in k]) == 1, kernels
     # Squeeze-and-excite's convolutions over the pooled pixel run as dense layers (beside the classifier's).
     assert generated_code(artifact).count("aoti_torch_cpu__linear_pointwise(") > 1
     matches_eager(artifact, hf_tiny.efficientnet(), (2, 3, 41, 77))
@@ -390,6 +392,25 @@ def test_a_weight_oneDNN_lays_out_differently_across_the_range_is_packed_per_lay
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
+def test_a_relu6_and_a_silu_after_a_convolution_laid_out_per_call_are_fused_into_its_branches(tmp_path):
+    """Inductor fuses such activations into the convolution (oneDNN's post-ops) only where it can see
+    them: after a per-call layout choice they ran as a pass of their own over the activation (15 a
+    call on MobileNetV2), unless the choice's branches fuse them."""
+    profile = write_profile(tmp_path, LAYOUTS.replace("layout_net", "activated_layout_net"))
+    built = build(profile, tmp_path / "artifact")
+    code = generated_code(built.path)
+    assert "_layout_branch" in code  # the premise: the expansions' layouts are chosen per call
+    kernels = set(re.findall(r"void\s+(cpp_fused_\w+)\(", code))
+    assert not [k for k in kernels if "hardtanh" in k or "silu" in k or "clamp" in k], kernels
+    assert '"hardtanh"' in code and '"swish"' in code  # oneDNN's post-ops, in the branches
+    model, artifact = tiny.activated_layout_net(), loader.load(built.path)
+    for shape in ([1, 3, 8, 8], [4, 3, 40, 40], [3, 3, 17, 33], [2, 3, 28, 28]):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(artifact(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
 class PatchedEncoder(nn.Module):
     """ViT's shape: one convolution cuts the image into patches, dense layers do the rest."""
 
@@ -487,3 +508,41 @@ def test_a_convolution_over_more_than_one_pixel_stays_a_convolution():
             3: torch.export.Dim("width", min=1, max=8)}  # fmt: skip
     ep = export(nn.Conv2d(4, 6, 1).eval(), torch.randn(2, 4, 3, 3), dims)  # one pixel at some sizes only
     assert convnets.rewrite(ep) == []
+
+
+class Padded(nn.Module):
+    """EfficientNet's pads (transformers: ``nn.ZeroPad2d(correct_pad(k))`` before a "valid" stride-2
+    depthwise convolution, and ``(0, 1, 0, 1)`` before the dense stem), and a symmetric one."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem_pad, self.stem = nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(3, 8, 3, 2, padding="valid")
+        self.pad3, self.dw3 = nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(8, 8, 3, 2, padding="valid", groups=8)
+        self.pad5, self.dw5 = nn.ZeroPad2d((1, 2, 1, 2)), nn.Conv2d(8, 8, 5, 2, padding="valid", groups=8, bias=False)
+        self.wide, self.dw = nn.ZeroPad2d((2, 1, 0, 0)), nn.Conv2d(8, 8, 3, 1, padding=1, groups=8)
+        self.same, self.dense = nn.ZeroPad2d(1), nn.Conv2d(8, 4, 3)
+
+    def forward(self, x):
+        x = self.stem(self.stem_pad(x))
+        x = self.dw5(self.pad5(self.dw3(self.pad3(x)))) + 1
+        return self.dense(self.same(self.dw(self.wide(x))))
+
+
+def test_a_zero_pad_before_a_convolution_becomes_its_padding_and_computes_the_same():
+    """Pads of the depthwise convolutions, asymmetric or not, and the symmetric one go into the
+    convolutions (the asymmetric by a kernel with zero taps); the dense stem's asymmetric pad stays."""
+    dims = {0: torch.export.Dim("batch", min=1, max=4), 2: torch.export.Dim("height", min=16, max=64),
+            3: torch.export.Dim("width", min=16, max=64)}  # fmt: skip
+    model = Padded().eval()
+    ep = export(model, torch.randn(2, 3, 32, 40), dims)
+    done = convnets.rewrite(ep)
+    assert [r.kind for r in done] == ["pad_into_conv"] * 4
+    assert [r.where.split(" in ")[0] for r in done] == [f"test_convnets.py:{line_of(code)}" for code in (
+        "x = self.dw5(self.pad5(self.dw3(self.pad3(x)))) + 1",) * 2 + (
+        "return self.dense(self.same(self.dw(self.wide(x))))",) * 2]  # fmt: skip
+    pads = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.pad.default]
+    assert [n.args[1] for n in pads] == [[0, 1, 0, 1]]  # the stem's
+    for shape in ((1, 3, 16, 16), (3, 3, 37, 64), (2, 3, 33, 18), (4, 3, 64, 63)):  # odd and even sizes
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)

@@ -87,6 +87,7 @@ from torch._inductor.constant_folding import replace_node_with_constant
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, has_free_symbols, optimization_hint
 
+aten = torch.ops.aten
 CONVOLUTION = torch.ops.mkldnn._convolution_pointwise.default
 # Inductor's int8 convolutions (PT2E x86 quantizer), their weights packed by its freezing pass.
 QUANTIZED = (
@@ -346,9 +347,9 @@ def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts
     each call: ``torch.cond`` on a 0-d bool read from a build-time table indexed by the convolution's
     input sizes (AOTInductor inlines each branch in its C++: an ``if`` on a table byte per call).
     The mixed sizes (``Layouts``) take the plain weight; those the probes skipped (past
-    ``MAX_PROBES``) the first group's format. A ReLU, or an addition and
-    a ReLU, that Inductor would fuse into the convolution are fused into each branch (the fusion
-    patterns run after this pass and cannot see into a branch)."""
+    ``MAX_PROBES``) the first group's format. What Inductor would fuse into
+    the convolution (``_epilogue``: an addition, a ReLU, a ReLU6, a SiLU) is fused into each branch
+    (the fusion patterns run after this pass and cannot see into a branch)."""
     graph = gm.graph
     x, weight = node.args[0], _argument(node, "weight")
     val = x.meta["val"]
@@ -362,12 +363,13 @@ def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts
         for size in group:
             choice[tuple(size[d] - lo for d, lo in zip(dims, low))] = k
     if node.target is CONVOLUTION:
-        other, unary, last = _epilogue(node)
+        other, unary, scalars, folded = _epilogue(node)
         tensors = [t for t in (x, other, node.args[2]) if isinstance(t, torch.fx.Node)]
-        call = _conv_call(node, other, unary, len(tensors))
+        call = _conv_call(node, other, unary, scalars, len(tensors))
     else:  # Inductor's freezing fused its epilogue already
-        last = node
+        folded = [node]
         tensors, call = _quantized_call(gm, node)
+    last = folded[-1]
     w = _plain_weight(gm, node)
     with graph.inserting_before(last):  # after the addend, which may come after the convolution
         packed = [
@@ -395,19 +397,20 @@ def _pick_per_call(gm: torch.fx.GraphModule, node: torch.fx.Node, found: Layouts
         out = graph.call_function(operator.getitem, (cond, 0))
     out.meta.update(last.meta)
     last.replace_all_uses_with(out)
-    for n in _chain(node, last)[::-1]:
+    for n in folded[::-1]:
         graph.erase_node(n)
     if not weight.users:
         graph.erase_node(weight)
 
 
-def _epilogue(node: torch.fx.Node) -> tuple[torch.fx.Node | None, str, torch.fx.Node]:
+def _epilogue(node: torch.fx.Node) -> tuple[torch.fx.Node | None, str, list[Any], list[torch.fx.Node]]:
     """What Inductor's fusion would fold into ``node`` (the convolution): the addend of an addition
-    that is its only user (same shape, no broadcast), and "relu" when a ReLU is the only user after
-    it; and the last node folded in."""
-    other, unary, last = None, "none", node
+    that is its only user (same shape, no broadcast); after it a ReLU, or with no addend a ReLU, a
+    ReLU6-style clamp (``hardtanh``) or a SiLU (``swish``), as post-grad decomposed them or not; the
+    unary's name and scalars, and the nodes folded, the convolution first, in graph order."""
+    other, folded = None, [node]
     (user,) = node.users if len(node.users) == 1 else (None,)
-    if user is not None and user.target is torch.ops.aten.add.Tensor and len(user.args) == 2 and not user.kwargs:
+    if user is not None and user.target is aten.add.Tensor and len(user.args) == 2 and not user.kwargs:
         addend = user.args[1] if user.args[0] is node else user.args[0]
         if (
             isinstance(addend, torch.fx.Node)
@@ -416,24 +419,49 @@ def _epilogue(node: torch.fx.Node) -> tuple[torch.fx.Node | None, str, torch.fx.
             and addend.meta["val"].shape == node.meta["val"].shape
             and addend.meta["val"].dtype == node.meta["val"].dtype
         ):
-            other, last = addend, user
-            (user,) = user.users if len(user.users) == 1 else (None,)
-    if user is not None and user.target is torch.ops.aten.relu.default:
-        unary, last = "relu", user
-    return other, unary, last
+            other, folded = addend, [node, user]
+    value = folded[-1]
+    (user,) = value.users if len(value.users) == 1 else (None,)
+    if user is not None and user.target is aten.relu.default:
+        return other, "relu", [], [*folded, user]
+    if other is not None:
+        return other, "none", [], folded  # the binary op's only unary after an addition is a ReLU
+    if user is not None and user.target is aten.hardtanh.default and _numbers(user.args[1:3]):
+        return None, "hardtanh", [float(a) for a in user.args[1:3]], [*folded, user]
+    if user is not None and user.target is aten.clamp_min.default and _numbers(user.args[1:2]):
+        (top,) = user.users if len(user.users) == 1 else (None,)
+        if top is not None and top.target is aten.clamp_max.default and _numbers(top.args[1:2]):
+            return None, "hardtanh", [float(user.args[1]), float(top.args[1])], [*folded, user, top]
+    if user is not None and user.target is aten.silu.default:
+        return None, "swish", [], [*folded, user]
+    silu = _decomposed_silu(value)
+    if silu:
+        return None, "swish", [], [*folded, *silu]
+    return None, "none", [], folded
 
 
-def _chain(first: torch.fx.Node, last: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes from ``first`` to ``last``, each the only user of the one before."""
-    nodes = [first]
-    while nodes[-1] is not last:
-        (nodes_next,) = nodes[-1].users
-        nodes.append(nodes_next)
-    return nodes
+def _numbers(args: Any) -> bool:
+    return all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+
+
+def _decomposed_silu(x: torch.fx.Node) -> list[torch.fx.Node]:
+    """``x / (exp(-x) + 1)``, Inductor's decomposition of SiLU, when ``x``'s only users are its own
+    (``neg``, ``exp``, ``add``, ``div``, in graph order); else []."""
+    users = {u.target: u for u in x.users}
+    neg, div = users.get(aten.neg.default), users.get(aten.div.Tensor)
+    if len(x.users) != 2 or neg is None or div is None or len(neg.users) != 1:
+        return []
+    (exp,) = neg.users
+    if exp.target is not aten.exp.default or len(exp.users) != 1:
+        return []
+    (add,) = exp.users
+    if add.target is not aten.add.Tensor or add.args != (exp, 1) or len(add.users) != 1 or div.args != (x, add):
+        return []
+    return [neg, exp, add, div]
 
 
 def _conv_call(
-    node: torch.fx.Node, other: torch.fx.Node | None, unary: str, n_tensors: int
+    node: torch.fx.Node, other: torch.fx.Node | None, unary: str, unary_scalars: list[Any], n_tensors: int
 ) -> Callable[[list[torch.fx.Node], int], tuple[Any, tuple[Any, ...]]]:
     """How a branch calls the convolution, its epilogue fused, on its placeholders (the input, the
     addend if any, the bias if any, the weights) with weight ``k``: the target and the arguments."""
@@ -454,7 +482,7 @@ def _conv_call(
                 dilation,
                 groups,
                 unary if unary != "none" else attr,
-                scalars,
+                unary_scalars if unary != "none" else scalars,
                 algorithm,
             )
         return _add_fused, (

@@ -292,3 +292,24 @@ class ExciteNet(nn.Module):
 
 def excite_net() -> nn.Module:
     return ExciteNet().eval()
+
+
+class ActivatedLayoutNet(nn.Module):
+    """LayoutNet's 1×1 expansion twice, one followed by a ReLU6 (MobileNet's), the other by a SiLU
+    (EfficientNet's): activations the per-call layout choice fuses into its branches."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 128, 3, padding=1)
+        self.expand = nn.Conv2d(128, 512, 1)
+        self.other = nn.Conv2d(128, 512, 1)
+        self.head = nn.Conv2d(512, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        return self.head(nn.functional.relu6(self.expand(h)) * nn.functional.silu(self.other(h)))
+
+
+def activated_layout_net() -> nn.Module:
+    return ActivatedLayoutNet().eval()
