@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,3 +335,24 @@ def test_the_spin_bench_times_each_case_and_spin_count_in_a_process_of_its_own(c
     said = spin.report(rows + [{"round": 0, "busy": 1, "nice": 10, "spin": 0, "failed": "boom"}])
     assert f"quiet                    GOMP_SPINCOUNT=0      {smallest}:" in said
     assert "1 busy loop(s), nice 10  GOMP_SPINCOUNT=0      failed: boom" in said
+
+
+def test_the_ab_bench_times_each_side_under_its_own_checkout_in_turn(classifier_artifact, tmp_path):
+    from bench import ab
+    from loader.artifact import read_manifest
+
+    (v, *_) = [v for v in read_manifest(classifier_artifact).variants if v.kind == "dynamic" and v.precision == "fp32"]
+    shapes = [{d: r.min for d, r in v.dims.items()}, {d: r.max for d, r in v.dims.items()}]
+    here = Path(__file__).resolve().parent.parent
+    result = ab.measure([(here, classifier_artifact), (here, classifier_artifact)], shapes, rounds=2, seconds=0.05)
+    assert [len(s["rounds_ms"]) for s in result["sides"]] == [2, 2]
+    assert all(len(r) == 2 and min(r) > 0 for s in result["sides"] for r in s["rounds_ms"])
+    assert result["sides"][0]["ratio_to_first"] == 1.0 and result["sides"][1]["ratio_to_first"] > 0
+    said = ab.report(result)
+    assert ",".join(f"{d}={n}" for d, n in shapes[1].items()) in said and said.count("×") == 2
+    with pytest.raises(SystemExit, match=f"{tmp_path} is no checkout of precompile"):
+        ab.measure([(tmp_path, classifier_artifact)], shapes[:1], rounds=1, seconds=0.05)
+    (tmp_path / "loader").mkdir()
+    (tmp_path / "loader" / "__init__.py").write_text("def load(*args, **kwargs):\n    raise ValueError('too old')\n")
+    with pytest.raises(SystemExit, match=f"(?s){classifier_artifact} under {tmp_path} failed.*too old"):
+        ab.measure([(tmp_path, classifier_artifact)], shapes[:1], rounds=1, seconds=0.05)
