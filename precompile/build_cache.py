@@ -41,6 +41,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,13 @@ def compile_key(ep: torch.export.ExportedProgram, configs: dict[str, Any], targe
         for name in sorted(tensors):
             put("tensor", name, _tensor_digest(tensors[name]))
     except _Uncacheable:
+        return None
+    except Exception as e:  # the cache only saves time: a value it cannot hash must not fail the build
+        warnings.warn(
+            f"precompile: the build cache is not used for this variant, its key failed "
+            f"({type(e).__name__}: {e}); it is compiled",
+            stacklevel=2,
+        )
         return None
     return h.hexdigest()
 

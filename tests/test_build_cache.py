@@ -136,3 +136,17 @@ def test_a_model_with_a_zero_dim_buffer_has_a_key_that_follows_its_value(value):
     assert key(value) is not None
     assert key(value) == key(value)
     assert key(value) != key(value + 1)
+
+
+def test_a_key_that_fails_to_compute_compiles_the_variant_with_a_warning(monkeypatch):
+    """The cache only saves time: an error while hashing (a tensor type it does not know) leaves the
+    variant uncached, said in a warning, instead of failing the build."""
+    from precompile import build_cache
+
+    def broken(value):
+        raise RuntimeError("no bytes to hash")
+
+    monkeypatch.setattr(build_cache, "_tensor_digest", broken)
+    ep = torch.export.export(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
+    with pytest.warns(UserWarning, match=r"build cache is not used .*RuntimeError: no bytes to hash"):
+        assert build_cache.compile_key(ep, {}, {"device": "cpu"}) is None
