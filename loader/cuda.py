@@ -46,7 +46,11 @@ def host_facts() -> CudaFacts:
 def parse_device(device: str) -> tuple[str, int | None]:
     """'cpu' -> ('cpu', None); 'cuda' -> ('cuda', 0); 'cuda:1' -> ('cuda', 1)."""
     kind, _, index = str(device).partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index not in ("", "0")):
+    if (
+        kind not in ("cpu", "cuda")
+        or (index and not (index.isascii() and index.isdigit() and len(index) <= 4))
+        or (kind == "cpu" and index not in ("", "0"))
+    ):
         raise IncompatibleArtifactError(f"device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
     if kind == "cpu":
         return "cpu", None

@@ -16,7 +16,7 @@ import torch
 
 from .errors import GuardError
 from .manifest import DimRange, InputSpec
-from .shapes import ShapeGuard, not_plain, value_outside
+from .shapes import ShapeGuard, check_bool_bytes, not_plain, value_outside
 
 # What the compiled code can read: a plain tensor, or a Parameter (a plain tensor that requires grad,
 # what a caller passing a module's weights hands over). Every other subclass is refused: its data
@@ -98,12 +98,23 @@ class InputGuard(ShapeGuard):
                     "resized or it is a wrapper without data); pass a tensor that owns its memory",
                     reason="no_storage",
                 )
-            if values is not None and t.numel():
+            if dtype is torch.bool and t.numel():
+                _check_bool_bytes(name, t)
+            elif values is not None and t.numel():
                 low, high = torch.aminmax(t)
                 low, high = int(low), int(high)
                 if low < values.min or high > values.max:
                     raise _value_outside(name, t, low if low < values.min else high, values)
         return tensors, sizes
+
+
+def _check_bool_bytes(name: str, t: torch.Tensor) -> None:
+    """GuardError unless every byte of a bool tensor is 0 or 1 (``loader.shapes.check_bool_bytes``:
+    through numpy on the CPU, where it costs a microsecond and torch's own reduction several)."""
+    if t.device.type == "cpu":
+        check_bool_bytes(name, t.numpy())
+    elif bool(t.view(torch.uint8).max() > 1):
+        check_bool_bytes(name, t.cpu().numpy())  # names the first such byte
 
 
 def _not_plain(name: str, t: Any) -> GuardError:

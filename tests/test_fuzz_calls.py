@@ -55,9 +55,17 @@ def test_ten_thousand_random_calls_never_crash_and_are_refused_or_right(
     assert s["unexpected"] == [], "refused with something other than a GuardError"
     assert s["mismatches"] == [], "accepted calls that differ from eager"
     assert s["accepted"] > CALLS // 4 and s["refused"] > CALLS // 4  # both paths well exercised
-    assert {"value_range", "tensor_subclass", "neg_view", "meta", "layout", "nested", "dtype", "rank"} <= set(
-        s["by_reason"]
-    )
+    assert {
+        "value_range",
+        "tensor_subclass",
+        "neg_view",
+        "meta",
+        "layout",
+        "nested",
+        "dtype",
+        "rank",
+        "bool_bytes",
+    } <= set(s["by_reason"])
 
 
 REPROS = ["ids-1000", "ids--1", "ids-1e11", "wrapper-subclass", "neg-view"]
@@ -151,7 +159,17 @@ KINDS = [
     ),
     ("scalar", 1, lambda t, rng: t.reshape(-1)[:1].reshape(()) if t.numel() else torch.tensor(0, dtype=t.dtype)),
     ("extra-axis", 1, lambda t, rng: t.unsqueeze(0)),
+    ("bool-bytes", 2, lambda t, rng: _other_bool_bytes(t, rng)),
 ]
+
+
+def _other_bool_bytes(t, rng):
+    """A bool tensor one of whose bytes is neither 0 nor 1 (viewed from uint8, as np.frombuffer makes them)."""
+    if t.dtype is not torch.bool or not t.numel():
+        return t
+    raw = t.view(torch.uint8).clone()
+    raw.view(-1)[rng.randrange(raw.numel())] = rng.choice([2, 3, 127, 255])
+    return raw.view(torch.bool)
 
 
 class Target:

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import fuzz as fuzzing
+
 from .test_serve_load import DEADLINE, serve_command
 
 MODEL = "tiny-structured"
@@ -254,165 +256,10 @@ def test_a_client_that_hangs_up_mid_body_is_counted_apart_without_a_traceback(se
 
 V2_REQUESTS = 2000  # per route, over both models
 PREDICT_REQUESTS = 2000
-DATATYPES = ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "BF16", "FP32", "FP64", "BYTES", "fp32", ""]
-PACK = {"BOOL": "?", "INT64": "q", "FP32": "f"}
-
-
-def junk(rng, depth: int = 0):
-    """Any JSON value: null, booleans, integers (int64's edges and beyond), floats (NaN, ±Infinity,
-    float32's edge), strings, lists and objects, nested."""
-    kind = rng.randrange(8 if depth < 3 else 6)
-    if kind == 0:
-        return None
-    if kind == 1:
-        return rng.random() < 0.5
-    if kind == 2:
-        return rng.choice([0, 1, -1, 7, 49, 50, 2**31, 2**63 - 1, -(2**63), 2**63, 2**70, rng.randint(-1000, 1000)])
-    if kind == 3:
-        return rng.choice(
-            [0.0, 0.5, -1.5, 1e-45, 3.4e38, -3.4e38, 1e39, math.nan, math.inf, -math.inf, rng.uniform(-10, 10)]
-        )
-    if kind == 4:
-        return rng.choice(["", "x", "ids", "mask", "FP32", "yes", "true", "1", "output", "hidden", "\u00e9\u0000"])
-    if kind == 5:
-        return []
-    if kind == 6:
-        return [junk(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {
-        rng.choice(["name", "shape", "datatype", "data", "parameters", "binary_data_size", "binary_data", "k"]): junk(
-            rng, depth + 1
-        )
-        for _ in range(rng.randrange(4))
-    }
-
-
-def values(rng, spec: dict, count: int) -> list:
-    """``count`` values for an input: mostly valid for its datatype (and the classifier's ids range), at times not."""
-    datatype, wild = spec["datatype"], rng.random() < 0.1
-    if datatype == "BOOL":
-        return (
-            [rng.random() < 0.7 for _ in range(count)]
-            if not wild
-            else [rng.choice([0, 1, 2, None, "t"]) for _ in range(count)]
-        )
-    if datatype == "INT64":
-        hi = spec["max"]
-        return [rng.randint(0, hi) for _ in range(count)] if not wild else [junk(rng, 3) for _ in range(count)]
-    edge = [3.4e38, -3.4e38, 1e30, 1e-40, 0.0, -0.0]
-    return [rng.uniform(-4, 4) if not wild else rng.choice(edge + [math.nan, math.inf]) for _ in range(count)]
-
-
-def binary_values(rng, spec: dict, vals: list) -> bytes:
-    code = PACK[spec["datatype"]]
-    try:
-        return struct.pack(f"<{len(vals)}{code}", *vals)
-    except (struct.error, TypeError):
-        return bytes(
-            rng.randrange(256) for _ in range(len(vals) * struct.calcsize(code))
-        )  # raw bytes: NaN, 2 as BOOL...
-
-
-def maybe(rng, p: float = 0.08) -> bool:
-    return rng.random() < p
-
-
-def v2_request(rng, model: dict) -> tuple[bytes, dict[str, str]]:
-    """One infer request for ``model`` (its /v2 metadata, with each input's range): every field of the
-    protocol's request schema, each at times of another JSON type or value."""
-    batch, seq = rng.randint(1, 4), rng.randint(2, 12)
-    items, chunks = [], []
-    for spec in model["inputs"]:
-        shape = [batch if s == -1 and i == 0 else (seq if s == -1 else s) for i, s in enumerate(spec["shape"])]
-        if maybe(rng):
-            shape = rng.choice(
-                [junk(rng), [], [batch], shape + [1], [-1, 2], [2**40, 0], [0] * len(shape), [1] * 40, [1.0, 8]]
-            )
-        count = (
-            math.prod(shape) if isinstance(shape, list) and all(type(s) is int and 0 <= s < 64 for s in shape) else 8
-        )
-        vals = values(rng, spec, count + (rng.choice([-1, 1]) if maybe(rng) else 0))
-        item: dict = {"name": spec["name"], "shape": shape, "datatype": spec["datatype"]}
-        if rng.random() < 0.4:
-            raw = binary_values(rng, spec, vals)
-            item["parameters"] = {
-                "binary_data_size": len(raw) if not maybe(rng) else rng.choice([junk(rng), len(raw) + 1, -1, 0])
-            }
-            chunks.append(raw)
-        else:
-            item["data"] = vals if not maybe(rng) else rng.choice([junk(rng), [vals], [[v] for v in vals], vals[:1]])
-            if maybe(rng):
-                item["parameters"] = junk(rng)
-        if maybe(rng):
-            item["name"] = junk(rng)
-        if maybe(rng):
-            item["datatype"] = rng.choice(DATATYPES + [junk(rng)])
-        for key in list(item):
-            if maybe(rng, 0.03):
-                del item[key]
-        items.append(item)
-    if maybe(rng):
-        items = rng.choice([items[:-1], items + items[:1], items[::-1], items + [junk(rng)], [junk(rng)]])
-    request: dict = {"inputs": items if not maybe(rng, 0.03) else junk(rng)}
-    if rng.random() < 0.5:
-        request["id"] = rng.choice([f"req-{rng.randrange(10**6)}", junk(rng)])
-    if rng.random() < 0.4:
-        request["parameters"] = rng.choice(
-            [{"binary_data_output": rng.random() < 0.5}, {"binary_data_output": junk(rng)}, junk(rng), {}]
-        )
-    if rng.random() < 0.5:
-        names = [o["name"] for o in model["outputs"]]
-        outputs = []
-        for _ in range(rng.randint(0, len(names))):
-            output: dict = {"name": rng.choice(names) if not maybe(rng) else junk(rng)}
-            if rng.random() < 0.6:
-                output["parameters"] = rng.choice(
-                    [{"binary_data": rng.random() < 0.5}, {"binary_data": junk(rng)}, junk(rng)]
-                )
-            outputs.append(output)
-        request["outputs"] = outputs if not maybe(rng, 0.03) else junk(rng)
-    if maybe(rng, 0.02):
-        request = junk(rng)
-    header = json.dumps(request).encode()
-    if maybe(rng, 0.02):
-        header = header[: rng.randrange(len(header) + 1)]
-    body = header + b"".join(chunks)
-    headers = {"Content-Type": "application/octet-stream" if chunks else "application/json"}
-    if chunks or maybe(rng, 0.05):
-        length = (
-            len(header)
-            if not maybe(rng)
-            else rng.choice(["x", "-1", str(len(body) + 1), "0", "+3", "1_0", str(len(header) - 1)])
-        )
-        headers["Inference-Header-Content-Length"] = str(length)
-    if maybe(rng, 0.03):
-        body += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
-    return body, headers
-
-
-def predict_request(rng, model: dict) -> bytes:
-    """One /predict body for ``model``: nested lists of its inputs' values, at times ragged, of the
-    wrong kind, misnamed, missing or extra."""
-    batch, seq = rng.randint(1, 4), rng.randint(2, 12)
-    inputs: dict = {}
-    for spec in model["inputs"]:
-        width = seq if spec["shape"][1] == -1 else spec["shape"][1]
-        rows = [values(rng, spec, width) for _ in range(batch)]
-        if maybe(rng):
-            rows = rng.choice([junk(rng), rows[0], [rows], rows + [rows[0][:-1]], [[r] for r in rows]])
-        inputs[spec["name"] if not maybe(rng, 0.04) else rng.choice(["", "x2", "IDS"])] = rows
-    if maybe(rng, 0.04):
-        inputs[rng.choice(["extra", "ids", "x"])] = junk(rng)
-    request: object = {"inputs": inputs}
-    if maybe(rng, 0.04):
-        request = rng.choice([junk(rng), {"inputs": inputs, "id": 1}, {"input": inputs}, {"inputs": junk(rng)}])
-    return json.dumps(request).encode()
 
 
 def model_description(c: httpx.Client, name: str, ranges: dict[str, int]) -> dict:
-    model = c.get(f"/v2/models/{name}").json()
-    for spec in model["inputs"]:
-        spec["max"] = ranges.get(spec["name"], 0)
-    return model
+    return fuzzing.model_description(lambda path: c.get(path).json(), name, ranges)
 
 
 def fuzz(c: httpx.Client, name: str, model: dict, n_v2: int, n_predict: int, seed: int) -> tuple[Counter, list[str]]:
@@ -422,10 +269,10 @@ def fuzz(c: httpx.Client, name: str, model: dict, n_v2: int, n_predict: int, see
     for i in range(n_v2 + n_predict):
         if i < n_v2:
             route, path = "v2", f"/v2/models/{name}/infer"
-            body, headers = v2_request(rng, model)
+            body, headers = fuzzing.v2_request(rng, model)
         else:
             route, path = "predict", "/predict"
-            body, headers = predict_request(rng, model), {"Content-Type": "application/json"}
+            body, headers = fuzzing.predict_request(rng, model), {"Content-Type": "application/json"}
         try:
             response = c.post(path, content=body, headers=headers, timeout=10)
         except httpx.TransportError as e:  # no answer at all is worse than a 5xx

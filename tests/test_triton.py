@@ -66,16 +66,19 @@ def repo(tagger_build, structured_artifact, tmp_path_factory) -> Path:
 
 class Server:
     """`tritonserver` on loopback ports, in a process group of its own (stopped as a group).
-    ``options``: more tritonserver flags."""
+    ``options``: more tritonserver flags; ``stub_site``: what goes first on the stub's PYTHONPATH (None:
+    nothing, so the stub runs on this environment's numpy 2)."""
 
-    def __init__(self, repo: Path, log: Path, cache: Path, *options: str):
+    def __init__(
+        self, repo: Path, log: Path, cache: Path, *options: str, stub_site: Path | None = TRITON / "stub-site"
+    ):
         from precompile.ship.triton import tritonserver_command
 
         self.http, self.grpc = free_port(), free_port()
         command, env = tritonserver_command(
             repo,
             server=SERVER,
-            stub_site=TRITON / "stub-site",
+            stub_site=stub_site,
             http_port=self.http,
             grpc_port=self.grpc,
             options=["--allow-metrics", "false", "--exit-timeout-secs", "5", *options],
@@ -218,6 +221,59 @@ def test_answers_match_eager_and_the_loader(clients, references, protocol):
             assert g.shape == e.shape
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(g, c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("wanted", [("output.0",), ("output.1",), OUTPUTS])
+@pytest.mark.parametrize("binary", [False, True])
+def test_outputs_in_json_and_in_binary_one_or_several_are_the_loaders(clients, references, wanted, binary):
+    module, client = clients["http"]
+    ids, mask = sample(3, 11, seed=5)
+    inputs = [module.InferInput("ids", list(ids.shape), "INT64"), module.InferInput("mask", list(mask.shape), "BOOL")]
+    inputs[0].set_data_from_numpy(ids, binary_data=binary)
+    inputs[1].set_data_from_numpy(mask, binary_data=binary)
+    outputs = [module.InferRequestedOutput(name, binary_data=binary) for name in wanted]
+    result = client.infer(NAME, inputs, outputs=outputs)
+    described = {o["name"]: o for o in result.get_response()["outputs"]}
+    assert set(described) == set(wanted)
+    compiled = dict(zip(OUTPUTS, references(ids, mask)[1]))
+    for name in wanted:
+        assert ("parameters" in described[name]) == binary  # binary_data_size, or the data in the JSON
+        np.testing.assert_array_equal(result.as_numpy(name), compiled[name])
+
+
+def test_a_stub_on_numpy_2_refuses_to_load_and_says_what_to_install(repo, tmp_path):
+    """The stub misreads numpy 2's arrays: it answered an output of shape [2, 7] with no data (the
+    client: "cannot reshape array of size 0"). model.py now refuses to load there, so the model is
+    UNAVAILABLE with the reason, and a call is an error, not an empty answer."""
+    if not (SERVER / "bin" / "tritonserver").exists():
+        pytest.skip("no tritonserver in .triton/: run scripts/fetch-triton (make triton)")
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    s = Server(repo, tmp_path / "tritonserver.log", tmp_path / "cache", "--exit-on-error", "false", stub_site=None)
+    try:
+        deadline = time.monotonic() + 120
+        index: list = []
+        while time.monotonic() < deadline:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{s.http}/v2/repository/index", data=b"{}")
+                with urllib.request.urlopen(request, timeout=5) as r:
+                    index = json.loads(r.read())
+                if index and all(m.get("state") == "UNAVAILABLE" for m in index):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert index and all(m.get("state") == "UNAVAILABLE" for m in index), (index, s.log.read_text()[-3000:])
+        for m in index:
+            assert "reads arrays through numpy 1.x's C layout" in m["reason"], m
+            assert "put a numpy<2 first on PYTHONPATH" in m["reason"] and "stub-site" in m["reason"], m
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{s.http}")
+        ids, mask = sample(2, 7, seed=1)
+        with pytest.raises(InferenceServerException, match="unknown model|not ready|unavailable"):
+            call(httpclient, client, ids, mask)
+    finally:
+        s.stop()
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import GuardError
 from ..manifest import DimRange, InputSpec
 from ..policy import ArrayOps
-from ..shapes import ShapeGuard, not_plain, value_outside
+from ..shapes import ShapeGuard, check_bool_bytes, not_plain, value_outside
 from .capi import NUMPY_DTYPES
 
 # Subclasses that are plain memory. Others (numpy.ma.MaskedArray, numpy.matrix, ...) carry meaning
@@ -57,7 +57,9 @@ class ArrayGuard(ShapeGuard):
                     f"input {name!r}: array data is not aligned to its {a.itemsize}-byte elements; pass a.copy()",
                     reason="not_aligned",
                 )
-            if values is not None and a.size:
+            if dtype == np.bool_ and a.size:
+                check_bool_bytes(name, a)
+            elif values is not None and a.size:
                 low, high = int(a.min()), int(a.max())
                 if low < values.min or high > values.max:
                     value = low if low < values.min else high

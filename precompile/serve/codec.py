@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from typing import Any
 
@@ -40,6 +41,7 @@ class NotJSONObject(BodyError):
 # to 20 characters, a float's shortest repr up to 24 ("-1.2345678901234567e-308").
 _JSON_BYTES = {"bool": 7, "int": 22, "float": 26}
 MAX_RANK = 32  # deeper nesting is refused before anything walks it recursively
+MAX_SIZE = 2**31 - 1  # values in one input (and per dim): far beyond any body the limit lets in
 _EXACT_FLOAT_INT = 2**53  # beyond, a float in the request may not be the integer the client wrote
 MIN_BODY_BYTES = 1 << 20
 MAX_DEFAULT_BODY_BYTES = 256 << 20
@@ -203,6 +205,24 @@ class Codec:
                 f"input {name!r}: values must be finite numbers within {dtype}'s range "
                 f"(±{FLOAT_MAX[dtype]:.4g}); NaN, Infinity and larger numbers are refused"
             )
+
+    def shape_count(self, name: str, shape: Any) -> int:
+        """How many values an input of the request's ``shape`` holds; BodyError unless ``shape`` is a
+        list of at most MAX_RANK whole sizes whose non-zero ones multiply to at most MAX_SIZE. Checked
+        before any array is made, so that an empty input of a huge shape (``[0, 2**31-1, 2**31-1]``,
+        which numpy cannot make and torch can) is refused alike by both runtimes' codecs, the
+        loader's guards naming the dim and its range for anything smaller."""
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(s) is int and s >= 0 for s in shape):
+            raise BodyError(f"input {name!r}: shape must be a list of at most {MAX_RANK} sizes, each 0 or more")
+        extent = 1
+        for s in shape:
+            extent *= max(s, 1)
+            if extent > MAX_SIZE:
+                raise BodyError(
+                    f"input {name!r}: shape {shape[:MAX_RANK]} is too large: its sizes multiply past {MAX_SIZE} "
+                    "values (zero sizes left out)"
+                )
+        return math.prod(shape)
 
     def sized(self, name: str, data: Any, shape: list[int], count: int, dtype: str) -> Any:
         """An OIP input's JSON ``data`` (nested or flat, row-major) as an array of ``shape``."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -40,10 +39,10 @@ from loader.outputs import flatten, output_names
 from ..version import __version__
 from . import predict_v2_pb2 as pb
 from . import repository
-from .codec import ITEM_BYTES, MAX_RANK, Codec
+from .codec import ITEM_BYTES, Codec
 from .config import ServeConfig
 from .errors import Code, Refused, internal, refusal
-from .oip import DATATYPES, MAX_SIZE, _metadata, _serving
+from .oip import DATATYPES, _metadata, _serving
 from .service import Service, count_refusal
 
 log = logging.getLogger("precompile.serve")
@@ -152,9 +151,7 @@ def decode_inputs(request: pb.ModelInferRequest, manifest: Manifest, codec: Code
         if item.datatype != datatype:
             raise _invalid(f"input {name!r}: datatype must be {datatype}, got {item.datatype!r}")
         shape = list(item.shape)
-        if len(shape) > MAX_RANK or not all(0 <= s <= MAX_SIZE for s in shape):
-            raise _invalid(f"input {name!r}: shape must be a list of at most {MAX_RANK} sizes in [0, {MAX_SIZE}]")
-        count = math.prod(shape)
+        count = codec.shape_count(name, shape)
         if raw:
             size, itemsize = len(raw[i]), ITEM_BYTES[spec.dtype]
             if size != count * itemsize:

@@ -26,7 +26,6 @@ name and sequence items by index (``output.0``, ``output.1``; ``logits``, ``extr
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -39,7 +38,7 @@ from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 
 from ..version import __version__
-from .codec import MAX_RANK, BodyError, Codec, codec_for, dumps, json_kind, parse_json, parse_object
+from .codec import BodyError, Codec, codec_for, dumps, json_kind, parse_json, parse_object
 from .errors import Code, Refused
 from .repository import Models, Repository
 from .service import Service
@@ -209,9 +208,15 @@ async def _infer(models: Models, name: str, version: str | None, request: Reques
 
 def _json_length(body: bytes, header_length: str | None) -> int:
     """How many bytes of ``body`` are JSON (the header, with binary tensors after it)."""
-    if header_length is not None and header_length.isdigit():
+    if header_length is not None and _ascii_digits(header_length):
         return min(int(header_length), len(body))
-    return len(body)
+    return len(body)  # a malformed header: parse_infer_request refuses it
+
+
+def _ascii_digits(text: str) -> bool:
+    """Whether a header's value is a byte count: ASCII digits only (``int`` also takes " 12", "+12",
+    "1_2" and other scripts' digits; ``str.isdigit`` takes "²", which ``int`` refuses)."""
+    return 0 < len(text) <= 19 and text.isascii() and text.isdigit()
 
 
 def infer_path(path: str) -> tuple[str, str | None] | None:
@@ -335,11 +340,10 @@ def parse_infer_request(
     codec = codec if codec is not None else codec_for("torch")
     binary = b""
     if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise _invalid(f"{HEADER_LENGTH}: {header_length!r} is not a number") from None
-        if not 0 <= n <= len(body):
+        if not _ascii_digits(header_length):
+            raise _invalid(f"{HEADER_LENGTH}: {header_length[:40]!r} is not a byte count (ASCII digits)")
+        n = int(header_length)
+        if n > len(body):
             raise _invalid(f"{HEADER_LENGTH}: {n} is not within the body's {len(body)} bytes")
         body, binary = body[:n], body[n:]
     expected = 'expected a JSON object {"inputs": [{"name", "shape", "datatype", "data"}, ...]}'
@@ -366,13 +370,7 @@ def parse_infer_request(
         if item.get("datatype") != DATATYPES[spec.dtype]:
             raise _invalid(f"input {name!r}: datatype must be {DATATYPES[spec.dtype]}, got {item.get('datatype')!r}")
         shape = item.get("shape")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_RANK
-            or not all(type(s) is int and 0 <= s <= MAX_SIZE for s in shape)
-        ):
-            raise _invalid(f"input {name!r}: shape must be a list of at most {MAX_RANK} sizes in [0, {MAX_SIZE}]")
-        count = math.prod(shape)
+        count = codec.shape_count(name, shape)
         size = _parameters(f"{where}.parameters", item).get("binary_data_size")
         if size is not None:  # BodyError, as the codec refuses a value: 400, counted as invalid_body
             inputs[name], offset = codec.binary(name, binary, offset, size, shape, count, spec.dtype)
@@ -381,9 +379,6 @@ def parse_infer_request(
     if offset != len(binary):
         raise _invalid(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
     return InferRequest(inputs, request_id, _wanted_outputs(request, binary_all), binary_all)
-
-
-MAX_SIZE = 2**31 - 1  # per dim: far beyond any body the limit lets in, and within what torch's shapes hold
 
 
 def _parameters(where: str, holder: dict[str, Any]) -> dict[str, Any]:

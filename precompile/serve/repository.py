@@ -63,6 +63,28 @@ class RepositoryError(LoaderError):
 
 # --- which versions ------------------------------------------------------------------------------
 
+MAX_VERSION_DIGITS = 18  # every such number is an int64, as the manifest's version is
+
+
+def _decimal(text: str) -> bool:
+    """Whether ``text`` is a version number as written in a path or an option: ASCII digits only, at
+    most MAX_VERSION_DIGITS of them. ``str.isdigit`` alone takes "²" (which ``int`` then refuses)
+    and "１" or "١" (which ``int`` reads as 1)."""
+    return 0 < len(text) <= MAX_VERSION_DIGITS and text.isascii() and text.isdigit()
+
+
+def parse_version(text: str) -> int:
+    """A requested version (the ``{version}`` of a path, a gRPC ``model_version``) as its number;
+    Refused (INVALID_ARGUMENT) for anything but ASCII digits: no sign, no other script's digits."""
+    if not _decimal(text):
+        raise Refused(
+            Code.INVALID_ARGUMENT,
+            f"version {text[:40]!r} is not a version number: write it in ASCII digits (1, 2, ...), "
+            f"at most {MAX_VERSION_DIGITS} of them",
+            "invalid_version",
+        )
+    return int(text)
+
 
 @dataclass(frozen=True)
 class VersionPolicy:
@@ -77,11 +99,11 @@ class VersionPolicy:
         text = text.strip()
         if text.startswith("latest:"):
             n = text.removeprefix("latest:")
-            if not n.isdigit() or int(n) < 1:
+            if not _decimal(n) or int(n) < 1:
                 raise RepositoryError(f"--versions {text}: latest:N needs a whole number N >= 1, e.g. latest:2")
             return cls(latest=int(n))
         parts = [p.strip() for p in text.split(",")]
-        if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        if not all(_decimal(p) and int(p) >= 1 for p in parts):
             raise RepositoryError(f"--versions {text}: expected latest:N or versions such as 3,5")
         return cls(latest=None, listed=tuple(sorted({int(p) for p in parts})))
 
@@ -364,13 +386,14 @@ class Repository:
             if version is None:
                 ready = [v for v in versions if table[v].live.ready]
                 return table[(ready or versions)[-1]]  # none ready: its refusal says why
-            if not version.isdigit() or int(version) not in table:
+            number = parse_version(version)
+            if number not in table:
                 raise Refused(
                     Code.NOT_FOUND,
                     f"model {name!r} has no version {version!r} served (served: {', '.join(map(str, versions))})",
                     "unknown_model",
                 )
-            return table[int(version)]
+            return table[number]
 
     def versions(self, name: str) -> list[str]:
         """The versions of ``name`` being served (ready or not), oldest first."""
@@ -497,7 +520,7 @@ class OneModel:
             raise Refused(
                 Code.NOT_FOUND, f"unknown model {name!r} (this server serves {serving.name!r})", "unknown_model"
             )
-        if version is not None and version != str(serving.version):
+        if version is not None and parse_version(version) != serving.version:
             raise Refused(
                 Code.NOT_FOUND,
                 f"model {name!r} has no version {version!r} served (served: {serving.version})",

@@ -44,8 +44,24 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from loader.errors import first_line  # noqa: E402  (neither torch nor numpy: `import loader` imports them lazily)
 
 
+def _refuse_misread_numpy() -> None:
+    """Refuse to load where the stub would misread the arrays. The stub (tritonserver 2.51's, what
+    scripts/fetch-triton unpacks) reads arrays through numpy 1.x's C layout: with numpy 2 its outputs
+    reach the client empty or cut, with no error anywhere (a tensor round trip inside the stub still
+    looks right, so no probe catches it: the version is what tells). One line in Triton's repository
+    index instead: the model UNAVAILABLE, and what to install."""
+    if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+        raise pb_utils.TritonModelException(
+            f"precompile: the Python backend stub reads arrays through numpy 1.x's C layout, and this stub "
+            f"runs numpy {np.__version__} (from {Path(np.__file__).parent.parent}), whose outputs it would "
+            "send empty: put a numpy<2 first on PYTHONPATH (scripts/fetch-triton unpacks numpy 1.26.4 into "
+            ".triton/stub-site) or pip install 'numpy<2' where the stub's Python finds it"
+        )
+
+
 class TritonPythonModel:
     def initialize(self, args):
+        _refuse_misread_numpy()
         config = json.loads(args["model_config"])
         instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         # OpenMP reads its settings when torch starts it, so they are set before torch is imported:
