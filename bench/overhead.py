@@ -1,6 +1,7 @@
 """Loader overhead: the Python path (guards + dispatch + stats + output structure) per call, against
 the raw AOTInductor runner on the same inputs, and what the value guard (one min/max pass per
-integer input with a range) costs of it.
+integer input with a range) and the bool guard (every byte of a bool input 0 or 1; both loaders)
+cost of it.
 
     python -m bench.overhead [ARTIFACT] [--batch 8 --seq 512]
         (default: builds profiles/examples/text_classifier.yaml)
@@ -91,6 +92,33 @@ def measure_value_guard(
     return {"guards_us": a, "guards_without_values_us": b, "value_guard_us": a - b, "ranged_inputs": ranged}
 
 
+def measure_bool_guard(model: loader.CompiledModel, args: tuple, rounds: int = 15, calls: int = 2000) -> dict:
+    """The guards of ``loader.load`` and of ``loader.load_native`` on the same call, with the bool
+    bytes check and with it made a no-op: the difference is what it costs each."""
+    import loader.guards as torch_guards
+    import loader.native.npguards as numpy_guards
+
+    native = loader.load_native(model.path, warmup=False)
+    arrays = tuple(a.numpy() for a in args)
+    cases = [
+        ("torch", torch_guards, "_check_bool_bytes", lambda: model._guard.check(args, {})),
+        ("native", numpy_guards, "check_bool_bytes", lambda: native._guard.check(arrays, {})),
+    ]
+    out = {}
+    for name, module, attr, check in cases:
+        real = getattr(module, attr)
+        on, off = [], []
+        for _ in range(rounds):
+            on.append(per_call_us(check, calls))
+            setattr(module, attr, lambda *a: None)
+            try:
+                off.append(per_call_us(check, calls))
+            finally:
+                setattr(module, attr, real)
+        out[name] = (statistics.median(on), statistics.median(on) - statistics.median(off))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", nargs="?", help="a built 2-input artifact (ids, mask)")
@@ -124,6 +152,10 @@ def main() -> None:
     print(
         f"value guard     {v['value_guard_us']:8.1f} µs/call (min/max of {', '.join(v['ranged_inputs']) or 'no input'})"
     )
+    for name, (guards_us, bool_us) in measure_bool_guard(model, args, opts.rounds, 2000).items():
+        print(
+            f"bool guard      {bool_us:8.1f} µs/call ({name}: the guards {guards_us:.1f} µs, bytes of each bool input 0/1)"
+        )
 
 
 if __name__ == "__main__":

@@ -267,7 +267,7 @@ def test_an_unknown_model_or_version_is_404_and_saying_so(served):
         response = c.post(f"/v2/models/{CLASSIFIER}/versions/1/infer", json={"inputs": []})
         assert response.status_code == 404
         assert response.json()["error"] == f"model '{CLASSIFIER}' has no version '1' served (served: 3)"
-        assert c.get(f"/v2/models/{CLASSIFIER}/versions/x/ready").status_code == 404
+        assert c.get(f"/v2/models/{CLASSIFIER}/versions/x/ready").status_code == 400  # malformed, not unknown
         response = c.post("/predict", json=payload)  # several models: the name is not optional
         assert response.status_code == 422 and "POST /predict/{name}" in response.json()["detail"]
 
