@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: venv venv-bench demo test lint triton bench bench-quick schema wheels clean
+.PHONY: venv venv-bench demo test test-fast lint triton bench bench-quick schema docs wheels clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,12 @@ demo: venv
 TEST_WORKERS ?= 2
 test: lint triton
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# The edit loop: lint, then the unit tier only (in process: no compile or export, no server, no child
+# process; tests/conftest.py says which tests those are): about a minute on 2 cores. `make test`
+# stays the whole suite, every tier.
+test-fast: lint
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m unit tests
 
 lint: venv
 	$(VENV)/bin/ruff format --check --quiet .
@@ -57,6 +63,10 @@ bench-quick: venv-bench
 # Regenerate profiles/schema.json from the profile models (a test keeps the two equal).
 schema: venv
 	$(VENV)/bin/precompile schema > profiles/schema.json
+
+# Regenerate docs/cli.md from the Click commands (tests/test_docs.py keeps the two equal).
+docs: venv
+	$(PY) scripts/gen_cli_docs.py > docs/cli.md
 
 # The wheels a lent GPU machine lacks (its Python 3.12, no network there) into .whl/, which the device
 # run carries (bench/results/gpu-check.md, "Next run"). Versions from constraints.txt.

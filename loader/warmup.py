@@ -20,7 +20,7 @@ deep enough for two image sizes to meet in one size). Memory is what a warm-up c
 call at the largest shape the allocator holds buffers of every size a call can need: 10 first calls
 at unseen shapes fault 30× less for ResNet-50 on glibc (16× on tcmalloc), 4× (17×) for MobileNetV2,
 3× (16×) for EfficientNet-B0, 1.2 to 4× for RegNet-Y and Segformer (glibc maps buffers over 32 MB
-afresh on every call; the README's "The loader" has the table); and their convolutions run about as
+afresh on every call; docs/loader.md has the table); and their convolutions run about as
 fast as in the steady call.
 
 What a warm-up can give the shapes themselves is their primitives: a dynamic variant's ``warm``

@@ -6,7 +6,7 @@
 - ``KIND_DEFAULTS``: what a model of one kind (``passes.convnets.model_kind``) gets where nothing
   else set the option (``with_kind_defaults``, applied to a unit's options when it compiles).
 - ``LOWER_PRECISION``: what every bf16/int8 variant compiles with, over the profile's first candidate.
-- ``PRESETS``: the named candidate lists ``compile.tune.preset`` can ask for (README: Choosing compile options).
+- ``PRESETS``: the named candidate lists ``compile.tune.preset`` can ask for (docs/compile-options.md).
 - ``ISA_OPTIONS``: what a variant built for one x86-64 level (the profile's ``cpu.isa``) compiles with, last.
 
     options = unit_options(candidate, precision="fp32")   # the option set one compile unit gets

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -42,6 +44,39 @@ dims:
 """
 
 
+# --- tiers (markers registered in pyproject.toml; `make test-fast` runs `-m unit`) -----------------
+#
+# A test's tier is decided here, once, so that no file can drift into the wrong one:
+# - `slow` or `integration` marked by its module (`pytestmark`) or itself stays so: a test that
+#   compiles or exports a model, or starts a server or a child process, in its own body says so that way.
+# - A test that uses a fixture building an artifact or starting a server (directly or through another
+#   fixture: pytest lists the whole closure in ``item.fixturenames``) is `integration`. Such a fixture
+#   says so where it is defined, with ``@builds`` under its ``@pytest.fixture``.
+# - Every other test is `unit`: in process, no compile or export, no server, no child process.
+# Deciding by fixtures, rather than by a mark on every test, keeps a new test that takes
+# `classifier_artifact` (or a module's own building fixture) out of the quick tier without anyone
+# remembering to mark it.
+BUILDING_FIXTURES: set[str] = set()
+
+
+def builds(fixture: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare a fixture that compiles an artifact or starts a server: every test using it, however
+    indirectly, is `integration`. Fixtures are known by name, so a same-named fixture elsewhere is
+    counted too (a test wrongly out of the quick tier is slower, never untested)."""
+    BUILDING_FIXTURES.add(fixture.__name__)
+    return fixture
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") or item.get_closest_marker("integration"):
+            continue
+        if BUILDING_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
+        else:
+            item.add_marker(pytest.mark.unit)
+
+
 def write_profile(folder: Path, text: str, name: str = "profile.yaml") -> Path:
     """Write a profile beside a copy of tests/models/tiny.py (its factories are importable as tiny:...)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -63,6 +98,7 @@ def build_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+@builds
 def classifier_build(tmp_path_factory, build_cache) -> tuple[Path, BuildResult]:
     """(the output given, the result) of ``precompile.build(<the profile's path>, output)``: the
     artifact most tests read, and tests/test_api.py's build from a path. The CLI's happy path is
@@ -83,6 +119,7 @@ def classifier_profile(classifier_artifact) -> Path:
 
 
 @pytest.fixture(scope="session")
+@builds
 def structured_cli_build(tmp_path_factory, build_cache) -> tuple[Path, str]:
     """Built through the CLI in a pipe (CliRunner's output is no terminal): (artifact, what the command
     printed), so tests/test_cli.py reads the lines of this build instead of compiling its own. Its
@@ -131,6 +168,7 @@ policy:
 
 
 @pytest.fixture(scope="session")
+@builds
 def tagger_build(tmp_path_factory):
     """A planned artifact: 2 static variants, 2 dynamic ones over seq [4,16] and [17,32], pad and
     split policies. Compiled with 2 jobs, so the parallel path is exercised."""
@@ -160,6 +198,7 @@ batching:
 
 
 @pytest.fixture(scope="session")
+@builds
 def encoder_artifact(tmp_path_factory) -> Path:
     """Two dynamic variants with a batching section (pad seq): tests/test_batching_section.py reads
     its manifest, tests/test_serve_native.py batches it without torch."""
@@ -187,6 +226,7 @@ def classifier_versions(classifier_artifact, tmp_path_factory) -> list[Path]:
 
 
 @pytest.fixture(scope="session")
+@builds
 def classifier_workers(classifier_artifact):
     """`precompile serve CLASSIFIER --workers 2 --grpc-port G` as a process, for the tests that read
     what its workers answer and change nothing (tests/test_workers.py, tests/test_serve_load.py): one
@@ -199,6 +239,7 @@ def classifier_workers(classifier_artifact):
 
 
 @pytest.fixture(scope="session")
+@builds
 def classifier_batched(classifier_artifact):
     """`precompile serve CLASSIFIER --batch --max-delay-ms 20 --grpc-port G` as a process, for the Open
     Inference Protocol tests over HTTP (tests/test_oip.py) and gRPC (tests/test_grpc.py), which count

@@ -25,6 +25,9 @@ from .conftest import CLASSIFIER_PROFILE as PROFILE
 from .conftest import write_profile
 from .models import tiny
 
+# precompile.build from every kind of source: most of these compile, the rest export.
+pytestmark = pytest.mark.integration
+
 
 def as_dict(text: str = PROFILE) -> dict:
     return yaml.safe_load(textwrap.dedent(text))

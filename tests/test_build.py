@@ -120,6 +120,7 @@ def test_export_failure_names_dim_and_leaves_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
 
 
+@pytest.mark.integration
 def test_an_attention_mask_sampled_as_ones_builds_and_serves_padded_calls(tmp_path):
     """``range`` is what every call may hold, ``sample.range`` what the build's samples hold: a mask
     sampled as ones still serves a padded call (zeros), and refuses a value past its valid range."""
@@ -172,6 +173,7 @@ def test_refuses_to_replace_a_folder_that_is_not_an_artifact(tmp_path):
     assert (target / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.integration
 def test_measure_drops_static_variants_that_do_not_pay(tmp_path):
     profile = write_profile(
         tmp_path,
@@ -199,6 +201,7 @@ def test_measure_drops_static_variants_that_do_not_pay(tmp_path):
     assert loader.load(tmp_path / "out")(torch.ones(4, 8))["hidden"].shape == (4, 4)
 
 
+@pytest.mark.integration
 def test_a_compile_worker_killed_by_a_signal_has_its_variant_compiled_again_in_the_build_process(tmp_path):
     """The model SIGKILLs any compile worker that runs it (as the out-of-memory killer would) and runs
     normally in the build's own process: each variant is compiled again there, with the fault handler on."""

@@ -99,6 +99,7 @@ def test_a_cache_that_is_not_a_folder_is_one_line_naming_it(tmp_path, monkeypatc
     assert "Traceback" not in result.output and not (tmp_path / "artifacts").exists()
 
 
+@pytest.mark.integration
 def test_two_builds_of_one_model_at_once_compile_it_once(tmp_path):
     """Two processes, one empty cache: one compiles while the other waits on the key's lock, then
     copies the entry the first wrote."""

@@ -90,6 +90,7 @@ def test_build_in_a_pipe_says_when_each_stage_and_unit_starts(structured_cli_bui
     assert lines[0].startswith("… profile  started")
 
 
+@pytest.mark.integration
 def test_a_command_importing_transformers_prints_none_of_torchaos_noise(tmp_path):
     """A transformers model class imports torchao, which logs every CUDA extension it cannot load, and
     torch's pytree warns about torchao's enums: every command silences both (here doctor)."""

@@ -21,9 +21,12 @@ from precompile.options import unit_options, with_kind_defaults
 from precompile.passes import convnets, prepack
 from precompile.pipeline import build
 
-from .conftest import write_profile
+from .conftest import builds, write_profile
 from .models import hf_tiny, tiny
 from .test_doctor import profile
+
+# Graph rewrites on exported convnets, oneDNN's layouts probed, artifacts compiled: seconds a test.
+pytestmark = pytest.mark.integration
 
 # A static batch: the point of these builds is the dynamic height and width, and a dynamic batch
 # besides adds to Inductor's symbolic work at every size (about 15 s on Segformer).
@@ -200,6 +203,7 @@ torch.save(got, out)
 
 
 @pytest.fixture(scope="module")
+@builds
 def gray(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gray")
     return build(write_profile(folder, GRAY), folder / "artifact")

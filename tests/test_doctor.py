@@ -19,6 +19,9 @@ from precompile.pipeline import build
 
 from .test_init import folder_with_models
 
+# Every doctor runs the model in eager and torch.export's draft_export (seconds each).
+pytestmark = pytest.mark.integration
+
 
 def profile(folder: Path, text: str) -> Path:
     folder_with_models(folder)

@@ -61,6 +61,7 @@ def wait_gone(pids, within_s: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.integration
 def test_a_child_past_its_time_is_killed_with_its_grandchildren(tmp_path):
     log = tmp_path / "child.log"
     child = bounded.Child([sys.executable, "-c", SPAWNER, "120"], log=log)
@@ -75,6 +76,7 @@ def test_a_child_past_its_time_is_killed_with_its_grandchildren(tmp_path):
     assert gone(child.proc.pid) and wait_gone(kids)
 
 
+@pytest.mark.integration
 def test_what_a_finished_child_left_running_is_killed(tmp_path):
     finished = bounded.run_bounded([sys.executable, "-c", SPAWNER, "0"], 60)
     assert finished.ok and not finished.timed_out
@@ -87,6 +89,7 @@ def test_a_missing_program_is_an_exit_not_an_exception():
     assert finished.returncode == 127 and "No such file" in finished.output
 
 
+@pytest.mark.integration
 def test_a_step_past_the_deadline_is_recorded_before_the_next_starts(tmp_path):
     run = gpu_check.Run(tmp_path, deadline_s=600)
     value = run.child_step("facts (cut short)", "facts", {}, cap_s=0.3)  # importing torch alone takes longer
@@ -139,6 +142,7 @@ def test_cpus_are_split_into_disjoint_shares():
     assert gpu_check.cpu_split(2, [5]) == [[5], [5]]
 
 
+@pytest.mark.integration
 def test_on_a_host_without_a_gpu_the_run_stops_with_its_facts_written(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU host runs the real thing")
@@ -149,6 +153,7 @@ def test_on_a_host_without_a_gpu_the_run_stops_with_its_facts_written(tmp_path, 
     assert "no CUDA GPU visible" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_the_device_run_records_the_machine_before_anything_else(tmp_path):
     (tmp_path / "wheels").mkdir()
     out = tmp_path / "out"
@@ -192,6 +197,7 @@ child.wait(300)
 """
 
 
+@pytest.mark.integration
 def test_a_signal_to_the_runner_ends_its_children_groups_too(tmp_path):
     """The device tool kills the runner at its time-out; children in sessions of their own must not
     outlive it."""
@@ -217,6 +223,7 @@ def cpu_profile(folder, dtype, quick):  # noqa: ARG001
     return write_profile(folder, STRUCTURED_PROFILE.replace("max: 32", "max: 4") + "check: {random_shapes: 1}\n")
 
 
+@pytest.mark.integration
 def test_both_builds_run_at_once_on_their_own_cpus_and_each_is_recorded(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "derived_profile", cpu_profile)
     run = gpu_check.Run(tmp_path / "out", deadline_s=900)
@@ -233,6 +240,7 @@ def test_both_builds_run_at_once_on_their_own_cpus_and_each_is_recorded(tmp_path
     assert (tmp_path / "out" / "build-bfloat16.log").read_text()
 
 
+@pytest.mark.integration
 def test_builds_past_the_deadline_are_killed_and_recorded(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "derived_profile", cpu_profile)
     (tmp_path / "out").mkdir()

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import loader
 from precompile.cli import main
 from precompile.serve import predict_v2_pb2 as ours
+from tests.conftest import builds
 from tests.models import tiny
 from tests.test_serve_load import DEADLINE, free_port, serve_command
 
@@ -48,6 +49,7 @@ def client(served):
 
 
 @pytest.fixture(scope="module")
+@builds
 def structured_served(structured_artifact):
     """The structured model (a float input, three outputs) without --batch: its calls run on instances."""
     grpc_port = free_port()

@@ -327,6 +327,7 @@ def test_integer_ranges_are_checked_in_the_profile(inputs, policy, problem):
     assert problem in semantic_problems(profile)
 
 
+@pytest.mark.integration
 def test_an_undeclared_range_comes_from_the_embedding_table(tmp_path, build_cache):
     from precompile.progress import Progress
 

@@ -17,6 +17,9 @@ from precompile.cli import main
 from precompile.profile import load_profile
 from precompile.stages.resolve import resolve_model
 
+# init runs the model and torch.export (Dim.AUTO) on its example calls: seconds a test.
+pytestmark = pytest.mark.integration
+
 MODELS = Path(__file__).parent / "models" / "hf_tiny.py"
 
 BERT_CALLS = [
@@ -85,6 +88,7 @@ def test_dims_ranges_and_values_come_from_the_model(bert_init):
     assert "embeddings.position_embeddings.weight has 64 rows" in seq_line  # the reason, as a comment
 
 
+@pytest.mark.integration
 def test_init_then_build_then_load_matches_eager(bert_init):
     out = bert_init.parent / "artifact"
     result = CliRunner().invoke(main, ["build", str(bert_init), "-o", str(out)], catch_exceptions=False)

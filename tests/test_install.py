@@ -16,6 +16,9 @@ import pytest
 from precompile.cli import COMMANDS, EXTRA_MODULES, main
 from tests.isolation import NOT_RUNTIME, blocked_env
 
+# Builds the wheel and installs it into fresh virtual environments.
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -33,7 +33,7 @@ from precompile.errors import PrecompileError, ProfileError
 from precompile.pipeline import build
 from precompile.profile import load_profile
 
-from .conftest import write_profile
+from .conftest import builds, write_profile
 
 PROFILE = """
 name: portable
@@ -62,6 +62,7 @@ INSTRUCTION = re.compile(r"^\s*[0-9a-f]+:\s+((?:[0-9a-f]{2} )+)\s*(\S+)\s*(.*)$"
 
 
 @pytest.fixture(scope="session")
+@builds
 def portable(tmp_path_factory):
     folder = tmp_path_factory.mktemp("portable")
     return build(write_profile(folder, PROFILE), folder / "artifact")

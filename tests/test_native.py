@@ -27,7 +27,7 @@ from loader.native.libs import cpu_capability, cpu_features, feature_name, find_
 from loader.threads import CpuAllowance, default_threads, openmp_env
 from precompile.pipeline import build
 
-from .conftest import write_profile
+from .conftest import builds, write_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -441,6 +441,7 @@ check: {random_shapes: 1}
 
 
 @pytest.fixture(scope="module")
+@builds
 def extern_artifact(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("extern")
     (folder / "extern_model.py").write_text(textwrap.dedent(EXTERN_MODEL))

@@ -14,7 +14,7 @@ from precompile.pipeline import build
 from precompile.profile import load_profile
 from precompile.stages.check import Staged, check_policies, check_policy_outputs, policy_sizes
 
-from .conftest import TAGGER_PROFILE, write_profile
+from .conftest import TAGGER_PROFILE, builds, write_profile
 from .models.tiny import scores, tagger
 from .test_loader import copy_with_manifest
 
@@ -35,6 +35,7 @@ check: {random_shapes: 2}
 
 
 @pytest.fixture(scope="module")
+@builds
 def scores_build(tmp_path_factory):
     """One dynamic variant of the scores model; batch split, seq padded."""
     folder = tmp_path_factory.mktemp("scores")

@@ -29,6 +29,8 @@ from precompile.errors import ProfileError
 from precompile.pipeline import build
 from precompile.profile import AccuracyRule, load_profile
 
+from .conftest import builds
+
 MODELS = Path(__file__).parent / "models" / "lowp.py"
 
 ENCODER = """
@@ -62,6 +64,7 @@ def calibration_jsonl(path: Path, count: int = 6) -> None:
 
 
 @pytest.fixture(scope="session")
+@builds
 def lowp(tmp_path_factory, build_cache):
     """The encoder in fp32, bf16 and int8, gated on a calibration file, kept whatever their speed.
     Its fp32 and bf16 compiles are strict_gate's (the session's build cache)."""
@@ -80,6 +83,7 @@ calibration: {file: calib.jsonl}
 
 
 @pytest.fixture(scope="session")
+@builds
 def strict_gate(tmp_path_factory, build_cache):
     """bf16 under a gate it cannot pass (max abs error 0 on the float output)."""
     folder = tmp_path_factory.mktemp("strict")
@@ -90,6 +94,7 @@ def strict_gate(tmp_path_factory, build_cache):
 
 
 @pytest.fixture(scope="session")
+@builds
 def conv_int8(tmp_path_factory):
     """A conv net with 1×1 convolutions (``lowp.Pointwise``: a stem with batch norm, then 1×1 layers
     and a residual addition) in int8 (static) over dynamic sizes, its stem kept in fp32 and activations
@@ -188,6 +193,7 @@ calibration: {samples: 8}
 
 
 @pytest.fixture(scope="session")
+@builds
 def outlier_int8(tmp_path_factory):
     """The conv net whose c2 reads an outlier channel (tests/models/lowp.py), in int8 with the
     fallback on (the default): every layer in int8 fails the gate, c2 kept in fp32 passes."""

@@ -15,6 +15,9 @@ from precompile.profile import read_profile
 from precompile.stages import quantize
 from precompile.tracing import export_model
 
+# Quantizes exported programs with PT2E (export, prepare, calibrate, convert): seconds a test.
+pytestmark = pytest.mark.integration
+
 MODELS = Path(__file__).parent / "models" / "lowp.py"
 PROFILE = {
     "name": "lowp-conv",

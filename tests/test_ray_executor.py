@@ -17,7 +17,7 @@ from precompile.cli import main
 from precompile.errors import CompileError, ModelError, PrecompileError
 from precompile.pipeline import build
 
-from .conftest import CLASSIFIER_PROFILE, write_profile
+from .conftest import CLASSIFIER_PROFILE, builds, write_profile
 from .ray_cluster import LocalRayCluster, free_port
 
 ray = pytest.importorskip("ray")
@@ -59,6 +59,7 @@ def raises_in_worker(log, **kwargs):
 
 
 @pytest.fixture(scope="module")
+@builds
 def ray_cluster(tmp_path_factory):
     """A head and a worker node of 1 CPU each; yields the head's address."""
     with LocalRayCluster(tmp_path_factory.mktemp("ray"), nodes=2, cpus=1) as address:
@@ -86,6 +87,7 @@ def attempts(log: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+@builds
 def ray_build(ray_cluster, tmp_path_factory):
     """The classifier built on the cluster through the CLI, its worker dying on the first try."""
     folder = tmp_path_factory.mktemp("ray-build")

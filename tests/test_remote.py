@@ -24,6 +24,8 @@ from precompile.cli import main
 from precompile.errors import PrecompileError
 from precompile.ship.remote import ls, pull, push
 
+from .conftest import builds
+
 pytest.importorskip("s3fs")
 
 ACCESS_KEY, SECRET_KEY = "precompile-test-access", "precompile-test-secret-key"
@@ -92,6 +94,7 @@ def store_env(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+@builds
 def s3(store_env, monkeypatch):
     server = S3Server(store_env / "store")
     monkeypatch.setenv(remote.ENDPOINT_ENV, server.endpoint)
@@ -189,6 +192,7 @@ def test_cli_push_ls_pull(s3, classifier_pack, tmp_path):
     assert out.read_bytes() == classifier_pack.read_bytes()
 
 
+@pytest.mark.integration  # a real S3 client, retrying against a closed port
 def test_a_store_that_is_down_is_a_clear_error_and_caches_nothing(store_env, monkeypatch):
     monkeypatch.setenv(remote.ENDPOINT_ENV, f"http://127.0.0.1:{free_port()}")  # nothing listens there
     url = f"{STORE}/tiny-classifier/1.tar.zst"

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import fuzz as fuzzing
 
+from .conftest import builds
 from .test_serve_load import DEADLINE, serve_command
 
 MODEL = "tiny-structured"
@@ -30,6 +31,7 @@ FINITE_RULE = "input 'x': values must be finite numbers within float32's range (
 
 
 @pytest.fixture(scope="module")
+@builds
 def served(structured_artifact, tmp_path_factory):
     """`precompile serve` of the structured model (one FP32 input x: [batch, 8]) with --batch; yields
     (base URL, server log path)."""

@@ -18,6 +18,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
+from .conftest import builds
 from .test_serve_load import ROOT, free_port, stop_server, wait_ready
 
 # Generated requests per operation and mode ("shaped": positive bodies laid out as one rectangular call,
@@ -35,6 +36,7 @@ DEADLINE = 80.0  # seconds of fuzzing at most; fewer requests than MIN_REQUESTS 
 
 
 @pytest.fixture
+@builds
 def server(classifier_artifact, tmp_path):
     """`precompile serve` with reload on, confined to a root holding a copy of the classifier."""
     root = tmp_path / "root"

@@ -434,6 +434,7 @@ def test_the_batcher_pads_numpy_calls_to_the_longest(encoder_artifact):
     assert stats["batching"]["padded_calls"] == 2
 
 
+@pytest.mark.integration
 def test_loader_live_and_batch_import_without_torch():
     code = (
         "import sys, loader.live, loader.batch, precompile.serve.app, precompile.serve.server; "

@@ -20,7 +20,7 @@ from loader import constants as C
 from precompile.cli import main
 from precompile.serve.repository import VersionPolicy, is_repository, scan
 
-from .conftest import artifact_version
+from .conftest import artifact_version, builds
 from .test_remote import store_env  # noqa: F401 (a fixture)
 from .test_serve_load import serve_command
 
@@ -221,6 +221,7 @@ def grpc_port() -> int:
 
 
 @pytest.fixture(scope="module")
+@builds
 def served(repo, grpc_port):
     """`precompile serve REPO` with the defaults (latest:1, no repository control), and --grpc-port."""
     with serve_command(repo, "--grpc-port", str(grpc_port)) as port:

@@ -23,7 +23,7 @@ from precompile.cli import main
 from precompile.errors import PrecompileError
 from precompile.shard import PartError, assemble, parse_shard, share
 from precompile.units import CompileTask, VariantPlan
-from tests.conftest import write_profile
+from tests.conftest import builds, write_profile
 from tests.test_remote import BUCKET, s3, store_env  # noqa: F401  (fixtures: the S3 server)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +87,7 @@ def run_job(name: str, cwd: Path, context: dict[str, str], extra_env: dict[str, 
 
 
 @pytest.fixture(scope="session")
+@builds
 def parts(tmp_path_factory) -> Path:
     """The compile job of the workflow, once per shard of its matrix, side by side as a runner pool
     runs a matrix (each job writes only its own part): the parts, in a CI checkout."""

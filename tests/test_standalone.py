@@ -27,7 +27,7 @@ from precompile import standalone
 from precompile.pipeline import build
 from precompile.progress import Progress
 
-from .conftest import write_profile
+from .conftest import builds, write_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(1, 2), (2, 8), (3, 13), (4, 24)]
@@ -54,6 +54,7 @@ def encoder_inputs(batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
+@builds
 def artifact(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("standalone")
     return build(write_profile(folder, PROFILE), folder / "artifact").path
@@ -239,6 +240,7 @@ check: {random_shapes: 1}
 """
 
 
+@pytest.mark.integration
 def test_a_variant_that_cannot_be_standalone_is_built_as_usual_and_says_why(tmp_path):
     """Convolutions have no C++ template: they stay extern kernels, so the variant is
     compiled the usual way, the manifest says why, and the torch-free loader serves it on torch's

@@ -175,6 +175,7 @@ def sized(*cases: tuple[list[int], int]) -> list[int]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
 def test_compile_threads_follow_the_affinity_mask_not_the_host():
     mine = sorted(os.sched_getaffinity(0))
@@ -228,6 +229,7 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_importing_loader_before_torch_makes_openmp_sleep_when_idle():
     # libgomp prints the settings it started with: a spin of 10,000 (about 0.1 ms) before sleeping,
     # where torch alone spins for 300,000 (3 ms) and PASSIVE alone for 0.
@@ -239,6 +241,7 @@ def test_importing_loader_before_torch_makes_openmp_sleep_when_idle():
     assert "GOMP_SPINCOUNT = '0'" in chosen.stderr
 
 
+@pytest.mark.integration
 def test_the_users_wait_policy_is_kept():
     result = python("import os, loader; print(os.environ['OMP_WAIT_POLICY'])", OMP_WAIT_POLICY="ACTIVE")
     assert result.stdout.strip() == "ACTIVE"
@@ -292,6 +295,7 @@ def last_convolution_create(stdout: str) -> str:
             and ",convolution," in line][-1].split(",")[3]  # fmt: skip
 
 
+@pytest.mark.integration
 def test_loader_sizes_onednns_caches_even_after_torch_and_the_user_wins():
     """oneDNN reads its cache size at its first use, not at ``import torch``: the size loader sets
     (after torch here) governs, and a size the user set is kept."""

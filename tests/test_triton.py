@@ -22,7 +22,7 @@ from click.testing import CliRunner
 import loader
 from loader.outputs import flatten
 from precompile.cli import main
-from tests.conftest import artifact_version
+from tests.conftest import artifact_version, builds
 from tests.models import tiny
 from tests.ray_cluster import free_port, stop_group
 
@@ -120,6 +120,7 @@ class Server:
 
 
 @pytest.fixture(scope="module")
+@builds
 def server(repo, tmp_path_factory):
     if not (SERVER / "bin" / "tritonserver").exists():
         pytest.skip("no tritonserver in .triton/: run scripts/fetch-triton (make triton)")
@@ -427,6 +428,7 @@ def trusted_repo(tagger_build, structured_artifact, signing_keys, other_key, tmp
 
 
 @pytest.fixture(scope="module")
+@builds
 def trusted_server(trusted_repo, tmp_path_factory):
     if not (SERVER / "bin" / "tritonserver").exists():
         pytest.skip("no tritonserver in .triton/: run scripts/fetch-triton (make triton)")

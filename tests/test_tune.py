@@ -23,7 +23,7 @@ from precompile.stages.tune import Trial, choose
 from precompile.traffic import serving_shapes
 from precompile.units import VariantPlan
 
-from .conftest import CLASSIFIER_PROFILE, write_profile
+from .conftest import CLASSIFIER_PROFILE, builds, write_profile
 
 TUNED = CLASSIFIER_PROFILE.replace("name: tiny-classifier", "name: tiny-tuned").replace(
     "check: {random_shapes: 6}",
@@ -50,6 +50,7 @@ class Recorded(Progress):
 
 
 @pytest.fixture(scope="module")
+@builds
 def tuned_build(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tuned")
     progress = Recorded()
@@ -106,6 +107,7 @@ def test_inspect_shows_the_candidates(tuned):
     assert "tuning" in out and "freezing=True" in out
 
 
+@pytest.mark.integration
 def test_a_frozen_variant_carries_its_own_prepacked_weights(tmp_path):
     text = TUNED.replace("  tune: {candidates: [{}, {freezing: true}]}", "  inductor: {freezing: true}")
     result = build(write_profile(tmp_path, text), tmp_path / "artifact", jobs=1)

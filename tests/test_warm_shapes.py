@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from precompile.cli.inspect import describe
 from precompile.pipeline import build
 
@@ -44,6 +46,7 @@ print("=== end", flush=True)
 """
 
 
+@pytest.mark.integration
 def test_the_load_warms_a_dynamic_variant_on_its_traffic_s_hottest_shapes(tmp_path, build_cache):
     """A first call at a shape the build's traffic held (after the hint) creates no oneDNN primitive:
     the load's warm-up ran it (loader.warmup); at a shape the traffic did not hold, or with the hint's

@@ -211,7 +211,7 @@ _DASH = re.compile(r"^( *)- ")
 
 def _guess_indent(text: str) -> dict[str, int]:
     """Indentation as the file already uses it: mapping step, and where block sequences put the dash
-    (ruamel writes one style for the whole file; defaults follow the README's profiles)."""
+    (ruamel writes one style for the whole file; defaults follow docs/profiles.md)."""
     mapping = None
     offset = None
     previous_indent = 0

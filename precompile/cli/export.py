@@ -54,7 +54,7 @@ def triton(
     One model per manifest name, one version folder per artifact (its manifest version), each with a
     Python-backend model.py that serves it with loader.load(). The trust options are checked here and
     written into config.pbtxt, so that model.py applies them in Triton too. Run it with
-    `tritonserver --model-repository REPO` (README: "Serving in Triton Inference Server").
+    `tritonserver --model-repository REPO` (docs/triton.md).
     """
     from ..ship.triton import LoadOptions, export_triton
 

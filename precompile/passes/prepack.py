@@ -31,7 +31,7 @@ So a convolution whose format varies over its range gets one packed copy of its 
 that occurs (two or three), and the compiled program picks one per call: ``torch.cond`` on a 0-d
 bool read from a build-time table indexed by the convolution's input sizes, which AOTInductor
 inlines as an ``if`` on one byte (``_pick_per_call``). The copies cost their bytes in the package
-(ResNet-50 fp32: see README). The formats are the build host's, probed at one thread and at its
+(ResNet-50 fp32: docs/compile-options.md). The formats are the build host's, probed at one thread and at its
 own count (``probe_threads``: the loader gives a call between the two); at the sizes where those
 want different formats the branch runs on the plain weight (re-laid per call by the jitted reorder,
 as before this pass), never on a packed one in the wrong blocking. A serving host with more threads

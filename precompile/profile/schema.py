@@ -92,9 +92,7 @@ class DimSpec(_Strict):
 
 
 class TuneSpec(_Strict):
-    preset: Optional[str] = Field(
-        default=None, description="a named list of candidates (README: Choosing compile options)"
-    )
+    preset: Optional[str] = Field(default=None, description="a named list of candidates (docs/compile-options.md)")
     candidates: list[dict[str, Any]] = Field(
         default_factory=list, description="Inductor option sets to try, each merged over compile.inductor"
     )
