@@ -53,6 +53,21 @@ DTYPES = (
 # Inputs of these dtypes may carry a value range in the manifest (checked on every call).
 INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 
+# The Open Inference Protocol's (KServe V2's) name for each dtype: `precompile serve`'s /v2 and gRPC
+# services, the KServe runtime and the Ray Serve deployment use this one table.
+OIP_DATATYPES = {
+    "bool": "BOOL",
+    "uint8": "UINT8",
+    "int8": "INT8",
+    "int16": "INT16",
+    "int32": "INT32",
+    "int64": "INT64",
+    "float16": "FP16",
+    "bfloat16": "BF16",
+    "float32": "FP32",
+    "float64": "FP64",
+}
+
 DEVICES = ("cpu", "cuda")
 
 VARIANT_KINDS = ("static", "dynamic")
