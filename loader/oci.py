@@ -444,6 +444,13 @@ def read_artifact(reference: str) -> RemoteArtifact:
     )
 
 
+def identity(reference: str) -> tuple[str, ...]:
+    """What tells a watcher (``Live.watch``, ``precompile serve oci://...:TAG --watch``) that the tag
+    moved: the digest of the manifest it names now. One small request; no blob is read."""
+    _, digest = Registry(parse_reference(reference)).get_manifest()
+    return ("oci", digest)
+
+
 def open_reference(
     reference: str,
     open_head: Callable[[PackHead], T],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError, LoaderError
+from loader import ArtifactError, LoaderError, remote
 from loader import constants as C
 from loader.oci import parse_reference
 from precompile.cli import main
@@ -227,3 +228,21 @@ def _files(root: Path, only: set[str] | None = None) -> dict[str, bytes]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and (only is None or p.relative_to(root).as_posix() in only)
     }
+
+
+def test_a_server_watching_a_tag_follows_it_when_it_moves(registry, classifier_artifact, tmp_path, cache):
+    tag = f"oci://{registry.address}/models/watched:current"
+    push(classifier_artifact, tag)
+    live = loader.Live(tag)
+    assert live.serving.version == 1
+    first = remote.identity(tag)
+    push(artifact_version(classifier_artifact, tmp_path / "v6", 6), tag)  # the deploy: re-tag
+    assert remote.identity(tag) != first
+    live.watch(interval=0.05)
+    try:
+        deadline = time.monotonic() + 60
+        while live.serving.version != 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live.serving.version == 6
+    finally:
+        live.close()
