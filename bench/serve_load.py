@@ -64,6 +64,8 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+from loader.constants import OIP_DATATYPES
+
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "profiles" / "bench"
 CASES = {  # the request every client sends: MiniLM's short sentence, ResNet-50's larger camera size
@@ -71,16 +73,7 @@ CASES = {  # the request every client sends: MiniLM's short sentence, ResNet-50'
     "resnet50": {"batch": 1, "height": 128, "width": 128},
 }
 ARRAY_CODES = {"int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint8": "B", "float32": "f", "float64": "d"}
-DATATYPES = {
-    "bool": "BOOL",
-    "uint8": "UINT8",
-    "int8": "INT8",
-    "int16": "INT16",
-    "int32": "INT32",
-    "int64": "INT64",
-    "float32": "FP32",
-    "float64": "FP64",
-}
+DATATYPES = OIP_DATATYPES
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"  # KServe v2, as Triton and precompile serve it
 SERVERS = ("precompile", "precompile --batch", "eager", "eager --batch", "triton")

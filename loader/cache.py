@@ -32,6 +32,7 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +72,14 @@ class Cache:
     def entry_path(self, digest: str) -> Path:
         return self.entries_dir / digest
 
-    def open(self, head: PackHead, *, verify: bool = True) -> tuple[Path, bool]:
+    def open(
+        self, head: PackHead, *, verify: bool = True, fill: Callable[[Path], None] | None = None
+    ) -> tuple[Path, bool]:
         """A verified artifact folder holding the pack's files, and whether this call unpacked it.
 
-        ``verify=False`` checks sizes only on an existing entry (an install always hashes).
+        ``verify=False`` checks sizes only on an existing entry (an install always hashes). ``fill``:
+        what writes the artifact's files into an empty folder instead of unpacking ``head.path``
+        (``loader.oci`` downloads them); the files are hashed again before they become the entry.
         """
         entry = self.entry_path(head.digest)
         if os.path.lexists(entry) and self._check_folders():
@@ -91,7 +96,7 @@ class Cache:
                     return entry, False
                 except ArtifactError:
                     self._discard(entry)
-            self._install(head, entry)
+            self._install(head, entry, fill)
             return entry, True
 
     # -- maintenance
@@ -182,7 +187,7 @@ class Cache:
             except OSError:
                 pass  # a read-only cache still serves; the next load hashes again
 
-    def _install(self, head: PackHead, entry: Path) -> None:
+    def _install(self, head: PackHead, entry: Path, fill: Callable[[Path], None] | None = None) -> None:
         # Under the lock, a temporary folder of this digest belongs to a process that died.
         for stale in self.tmp_dir.glob(f"{head.digest}.*"):
             remove_tree(stale)
@@ -193,11 +198,14 @@ class Cache:
                 f"{self.tmp_dir}: cannot unpack here ({e.strerror}); set {C.CACHE_ENV} to a writable folder"
             ) from None
         try:
-            unpacked = unpack(head.path, tmp)
-            if unpacked.digest != head.digest:
-                raise ArtifactError(f"{head.path}: the file changed while it was being loaded; load it again")
+            if fill is None:
+                unpacked = unpack(head.path, tmp)
+                if unpacked.digest != head.digest:
+                    raise ArtifactError(f"{head.path}: the file changed while it was being loaded; load it again")
+            else:
+                fill(tmp)
             seal(tmp)
-            identities = verify_files(tmp, head.manifest, hashes=False)
+            identities = verify_files(tmp, head.manifest, hashes=fill is not None)
             try:
                 os.rename(tmp, entry)
             except OSError:

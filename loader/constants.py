@@ -53,6 +53,21 @@ DTYPES = (
 # Inputs of these dtypes may carry a value range in the manifest (checked on every call).
 INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 
+# The Open Inference Protocol's (KServe V2's) name for each dtype: `precompile serve`'s /v2 and gRPC
+# services, the KServe runtime and the Ray Serve deployment use this one table.
+OIP_DATATYPES = {
+    "bool": "BOOL",
+    "uint8": "UINT8",
+    "int8": "INT8",
+    "int16": "INT16",
+    "int32": "INT32",
+    "int64": "INT64",
+    "float16": "FP16",
+    "bfloat16": "BF16",
+    "float32": "FP32",
+    "float64": "FP64",
+}
+
 DEVICES = ("cpu", "cuda")
 
 VARIANT_KINDS = ("static", "dynamic")
@@ -104,3 +119,28 @@ CACHEDIR_TAG_TEXT = (
 # State, not cache: emptying the cache must not reset the rollback protection.
 STATE_ENV = "PRECOMPILE_STATE"
 VERSIONS_DIR = "versions"
+
+# --- OCI artifacts: `precompile push ART oci://REGISTRY/REPO:TAG`, load("oci://...") (loader.oci) ------
+# One OCI image manifest per version, of artifactType OCI_ARTIFACT_TYPE: the empty config, then one
+# layer per file of the artifact folder (manifest.json first, signature.json beside it when signed, then
+# the files the manifest lists, sorted), each a plain blob named by its org.opencontainers.image.title
+# annotation, as `oras push` writes them. Blobs are content-addressed, so a weights file that two
+# versions share is stored, and uploaded, once.
+OCI_SCHEME = "oci://"
+OCI_ARTIFACT_TYPE = "application/vnd.precompile.artifact.v1"
+OCI_MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
+OCI_EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
+OCI_EMPTY_CONFIG = b"{}"
+OCI_TITLE_ANNOTATION = "org.opencontainers.image.title"
+# Media types of the layers, by file: the artifact's manifest, its signature, its weights, everything else.
+OCI_LAYER_MEDIA_TYPES = {
+    MANIFEST_FILE: "application/vnd.precompile.manifest.v1+json",
+    SIGNATURE_FILE: "application/vnd.precompile.signature.v1+json",
+    WEIGHTS_FILE: "application/vnd.precompile.weights.v1.safetensors",
+}
+OCI_FILE_MEDIA_TYPE = "application/vnd.precompile.file.v1"
+# Annotations of the manifest: what it holds, for `oras manifest fetch` readers and registries' UIs.
+OCI_NAME_ANNOTATION = "dev.precompile.name"
+OCI_VERSION_ANNOTATION = "dev.precompile.version"
+OCI_DIGEST_ANNOTATION = "dev.precompile.manifest-digest"
+OCI_MAX_MANIFEST_BYTES = 4 * 1024 * 1024  # what registries accept for a manifest

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import constants as C
+from . import oci
 from .artifact import manifest_digest, read_signature
 from .cache import Cache
 from .errors import ArtifactError, LoaderError
@@ -156,6 +157,8 @@ class RemotePointer:
 def identity(url: str) -> tuple[str, ...]:
     """What tells a watcher that the object at ``url`` changed: its ETag and size, or its modification
     time and size where the store gives no ETag. One metadata request; nothing is downloaded."""
+    if oci.is_reference(url):
+        return oci.identity(url)
     fs, path = filesystem(url)
     return _identity(_info(fs, path, url))
 
@@ -172,11 +175,14 @@ def resolve_pointer(url: str) -> RemotePointer:
     """The pack ``url`` designates: ``url`` itself when it is a pack (named ``*.tar.zst``, or any name
     whose bytes are a pack's), else the pack its pointer object names. A pointer is a small text object
     whose first line is the pack's name relative to the pointer's folder (``7.tar.zst``: what
-    ``precompile promote`` writes) or a full URL in the same kind of store.
+    ``precompile promote`` writes) or a full URL in the same kind of store. An ``oci://`` reference
+    designates itself (a registry's tags are its pointers).
 
     ArtifactError naming ``url`` for anything else; like a pointer file on disk, an error never quotes
     the object's content.
     """
+    if oci.is_reference(url):
+        return RemotePointer(url, url, oci.identity(url))
     fs, path = filesystem(url)
     info = _info(fs, path, url)
     seen = _identity(info)

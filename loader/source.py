@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import constants as C
-from . import remote
+from . import oci, remote
 from .artifact import manifest_digest, read_manifest_with_bytes, read_signature, verify_files
 from .cache import Cache
 from .errors import LoaderError
@@ -94,7 +94,7 @@ def open_artifact(
     defer_packages: bool = False,
 ) -> Opened:
     """See ``loader.load``; returns the folder to open and what was checked. A URL goes through
-    ``loader.remote``, which judges the pack's head as soon as it arrives (``admit``: the same checks
+    ``loader.remote`` (an ``oci://`` reference through ``loader.oci``), which judges the pack's head as soon as it arrives (``admit``: the same checks
     as below, but the rollback ledger's) and comes back here with the downloaded pack or its cache
     entry's head. ``host``: the facts the compatibility check compares with (default:
     ``host.host_facts()``; the torch-free loader gathers its own). ``defer_packages``: a folder's
@@ -112,7 +112,8 @@ def open_artifact(
             _admit(head.manifest, head.manifest_bytes, head.signature, keys, min_version, str(head.path))
             check_compatible(head.manifest, device or head.manifest.target.device, host)
 
-        return remote.open_url(
+        opener = oci.open_reference if oci.is_reference(path) else remote.open_url
+        return opener(
             str(path),
             lambda local: open_artifact(local, **options),
             admit=admit,

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 
@@ -41,6 +42,23 @@ def stop_group(process: subprocess.Popen, *, grace: float) -> None:
     except ProcessLookupError:
         pass
     process.wait(timeout=10)
+
+
+def wait_http_ready(url: str, process: subprocess.Popen, log: Path, what: str, *, timeout: float) -> None:
+    """Poll ``url`` until it answers 200; RuntimeError with the tail of ``log`` if ``process`` exits
+    first or ``timeout`` seconds pass (a server a test started: tritonserver, the KServe runtime)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{what} did not get ready: {log.read_text(errors='replace')[-4000:]}")
 
 
 class Node:

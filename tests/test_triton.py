@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,7 @@ from loader.outputs import flatten
 from precompile.cli import main
 from tests.conftest import artifact_version, builds
 from tests.models import tiny
-from tests.ray_cluster import free_port, stop_group
+from tests.ray_cluster import free_port, stop_group, wait_http_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON = ROOT / ".triton"
@@ -92,18 +91,8 @@ class Server:
             )
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/models/{NAME}/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"tritonserver did not get ready: {self.log.read_text(errors='replace')[-4000:]}")
+        url = f"http://127.0.0.1:{self.http}/v2/models/{NAME}/ready"
+        wait_http_ready(url, self.process, self.log, "tritonserver", timeout=timeout)
 
     def stats(self) -> dict:
         """Triton's statistics extension for the tagger, its versions added up."""

@@ -16,8 +16,8 @@ from .inspect import _size
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Pack file [default: NAME-VERSION.tar.zst here].",
+    type=click.Path(path_type=Path),
+    help="Pack file [default: NAME-VERSION.tar.zst here]; for oci://, a new folder.",
 )
 @user_errors
 def pull(url: str, version: int | None, output: Path | None) -> None:
@@ -25,7 +25,18 @@ def pull(url: str, version: int | None, output: Path | None) -> None:
 
     The pack is checked against the store's index and unpacked in memory to check every member
     before it is written; loader.load() also reads URLs directly, through its cache.
+
+    URL oci://REGISTRY/REPO:TAG (or @sha256:DIGEST) pulls an artifact pushed to an OCI registry into
+    the folder -o (default NAME-TAG here), every blob checked against its digest.
     """
+    if url.startswith("oci://"):
+        if version is not None:
+            raise click.ClickException(f"{url}: the reference names one artifact; drop --version")
+        from ..ship.oci import pull as pull_oci
+
+        folder, got = pull_oci(url, output)
+        click.echo(f"{folder} (version {got})")
+        return
     from ..ship.remote import pull as run_pull
 
     path, got = run_pull(url, version=version, output=output)

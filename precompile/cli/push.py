@@ -25,7 +25,18 @@ def push(artifact: Path, url: str, level: int) -> None:
     Writes URL/NAME/VERSION.tar.zst and records it in URL/NAME/index.json; URL is any fsspec URL
     (s3://bucket/models with the s3 extra). A published version never changes: the same content
     again is a no-op, other content is refused.
+
+    URL oci://REGISTRY/REPO:TAG pushes it to an OCI registry instead, one blob per file: blobs the
+    registry holds already (weights another version shares) are not uploaded again.
     """
+    if url.startswith("oci://"):
+        from ..ship.oci import push as push_oci
+
+        done = push_oci(artifact, url)
+        click.echo(
+            f"{done.reference}@{done.digest} ({_size(done.uploaded)} uploaded, {_size(done.reused)} already there)"
+        )
+        return
     from ..ship.remote import push as run_push
 
     pushed = run_push(artifact, url, level=level)

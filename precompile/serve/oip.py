@@ -33,6 +33,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from loader.constants import OIP_DATATYPES
 from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
@@ -44,18 +45,7 @@ from .repository import Models, Repository
 from .service import Service
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-DATATYPES = {
-    "bool": "BOOL",
-    "uint8": "UINT8",
-    "int8": "INT8",
-    "int16": "INT16",
-    "int32": "INT32",
-    "int64": "INT64",
-    "float16": "FP16",
-    "bfloat16": "BF16",
-    "float32": "FP32",
-    "float64": "FP64",
-}
+DATATYPES = OIP_DATATYPES
 
 
 def _invalid(message: str) -> Refused:
