@@ -132,10 +132,10 @@ def check_bool_bytes(name: str, a: Any) -> None:
     check, and the compiled code reads its bytes as numbers, not as true or false: a wrong answer.
     Under a microsecond for an attention mask: up to 4 KiB as bytes (one copy and one table pass in
     C, 0.3 µs for 256 bytes where numpy's max takes 3), larger arrays by numpy's max."""
-    if a.size <= _BYTES_SCAN and not a.tobytes().translate(None, b"\x00\x01"):
+    if a.size <= BYTES_SCAN and not a.tobytes().translate(None, b"\x00\x01"):
         return
     raw = a.view("u1")
-    if a.size > _BYTES_SCAN and int(raw.max()) <= 1:
+    if a.size > BYTES_SCAN and int(raw.max()) <= 1:
         return
     first = tuple(int(w[0]) for w in (raw > 1).nonzero()) if raw.ndim else ()
     raise GuardError(
@@ -145,7 +145,7 @@ def check_bool_bytes(name: str, a: Any) -> None:
     )
 
 
-_BYTES_SCAN = 4096  # where a bytes pass and numpy's max cost the same (about 2 µs)
+BYTES_SCAN = 4096  # where a bytes pass and numpy's max cost the same (about 2 µs)
 
 
 def not_plain(name: str, value: Any, plain: type, what: str, things: str, fix: str) -> GuardError:
