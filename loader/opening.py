@@ -132,6 +132,7 @@ def start_background(pending: list[OnDemand], warm: Callable[[str], None], name:
             # hook then): atexit runs hooks last-registered first, so this one runs before those.
             atexit.register(_stop_openers)
             _exit_registered = True
+        _openers[:] = [(s, t) for s, t in _openers if t.is_alive()]  # those done: nothing to stop
         _openers.append((stop, thread))
     thread.start()
     return thread

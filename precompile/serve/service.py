@@ -116,9 +116,10 @@ class Service:
             self.batcher.close()
         if self.instances is not None:
             self.instances.close()
-        self.live.close()
         if self.recorder is not None:
             self.recorder.close()
+        # No call reaches the model now: it is closed (its libraries too), not left to the collector.
+        self.live.unload()
 
     def _count_attempt(self, attempt: SwapAttempt) -> None:
         self.metrics.reloads.labels(*self.labels, "ok" if attempt.ok else "failed").inc()
