@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 import loader
 from loader import Batcher, BatcherClosed, Live, LoaderError, TrafficRecorder
 from loader.live import Serving, SwapAttempt, read_served_manifest
-from loader.threads import default_threads
+from loader.threads import default_threads, lower_priority
 
 from .codec import MIN_BODY_BYTES, body_limit, codec_for, dumps, parse_body
 from .config import ServeConfig
@@ -85,7 +85,12 @@ class Service:
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, *, background: bool = False) -> None:
+        """Start serving: the execution instances, and the first load on a thread of its own; with
+        ``background`` (a repository's model loaded while others serve), at a lower CPU priority, it
+        and the OpenMP team its warm-up starts, so the models serving keep their latency. Not
+        ``SCHED_IDLE``: the load holds the GIL between its steps, and a thread that runs only on idle
+        CPUs held it for up to a second on a busy host (every call of the others waiting)."""
         if self.batcher is None:  # calls run on a bounded number of execution instances, a queue in front
             self.instances = Instances(
                 count=self.config.instances or default_count(workers=self.config.workers, runtime=self.config.runtime),
@@ -93,10 +98,14 @@ class Service:
             )
         if self.config.record:
             self.recorder = TrafficRecorder(self.live, self.config.record, interval=self.config.record_interval)
-        self._loader = threading.Thread(target=self._load_then_watch, name="precompile-load", daemon=True)
+        self._loader = threading.Thread(
+            target=self._load_then_watch, args=(background,), name="precompile-load", daemon=True
+        )
         self._loader.start()
 
-    def _load_then_watch(self) -> None:
+    def _load_then_watch(self, background: bool) -> None:
+        if background:
+            lower_priority()
         if not self.live.ready:
             try:
                 self.live.swap(self.config.artifact)
