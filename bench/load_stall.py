@@ -33,6 +33,31 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def serve_twice(artifact: Path, scratch: Path) -> Path:
+    """A repository under ``scratch`` serving ``artifact`` as models ``a`` and ``b`` (the manifest's
+    name rewritten: same compiled files, weights and hashes)."""
+    repo = scratch / "models"
+    for name in ("a", "b"):
+        shutil.copytree(artifact, repo / name)
+        manifest_path = repo / name / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        manifest["name"] = name
+        manifest_path.write_text(json.dumps(manifest))
+    return repo
+
+
+def run_child(module: str, runtime: str, repo: Path, options: list[str]) -> dict | None:
+    """``python -m module --child RUNTIME REPO *options`` in a fresh process (OpenMP's threads
+    sleeping when idle); the JSON its last line prints, or None (its error said on stderr)."""
+    command = [sys.executable, "-m", module, "--child", runtime, str(repo), *options]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run(command, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"{runtime}: failed\n{out.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def child(runtime: str, repo: str, seconds: float, rounds: int, clients: int) -> None:
     from precompile.serve.config import ServeConfig
     from precompile.serve.repository import Repository
@@ -110,23 +135,12 @@ def main() -> None:
     if args.artifact is None:
         parser.error("give an artifact folder")
     with tempfile.TemporaryDirectory(prefix="bench-load-stall-") as scratch:
-        repo = Path(scratch) / "models"
-        repo.mkdir()
-        for name in ("a", "b"):
-            shutil.copytree(args.artifact, repo / name)
-            manifest_path = repo / name / "manifest.json"
-            manifest = json.loads(manifest_path.read_text())
-            manifest["name"] = name
-            manifest_path.write_text(json.dumps(manifest))
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        repo = serve_twice(args.artifact, Path(scratch))
         for runtime in args.runtimes:
-            command = [sys.executable, "-m", "bench.load_stall", "--child", runtime, str(repo)]
-            command += ["--seconds", str(args.seconds), "--rounds", str(args.rounds), "--clients", str(args.clients)]
-            out = subprocess.run(command, env=env, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(f"{runtime}: failed\n{out.stderr[-3000:]}", file=sys.stderr)
+            options = ["--seconds", str(args.seconds), "--rounds", str(args.rounds), "--clients", str(args.clients)]
+            r = run_child("bench.load_stall", runtime, repo, options)
+            if r is None:
                 continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
             print(
                 f"{runtime}: variant {r['variant']} at {r['hint']}, {args.clients} clients; "
                 f"b loaded {r['loads']} times (median {r['load_seconds_median']:.3f} s)"
