@@ -11,6 +11,7 @@ the binding lacks would raise a TypeError from deep inside a load.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import re
 from dataclasses import dataclass
@@ -168,3 +169,23 @@ def load_constants(runner: Any, constants: dict[str, torch.Tensor]) -> bool:
     call = constants_call(signatures()["load_constants"])
     runner.load_constants(constants, *call.args)
     return call.in_place
+
+
+# torch's own way to pass tensors across the C ABI as AtenTensorHandles (``at::Tensor*``), what
+# Inductor's cpp_wrapper code uses: handles come and go as PyCapsules, read and made here.
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.argtypes, _capsule_pointer.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_void_p
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.argtypes, _capsule_new.restype = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p], ctypes.py_object
+
+
+def tensor_handles(tensors: list[torch.Tensor]) -> list[int]:
+    """A new tensor handle for each tensor, sharing its storage (zero-copy; it keeps the storage
+    alive): for a container's run, which takes them and frees them."""
+    return [_capsule_pointer(c, None) for c in torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(tensors)]
+
+
+def tensors_from_handles(handles: list[int]) -> list[torch.Tensor]:
+    """torch tensors taking over the tensor handles a container's run returned (zero-copy; the
+    handles are freed)."""
+    return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs([_capsule_new(h, None, None) for h in handles])

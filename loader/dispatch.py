@@ -251,6 +251,17 @@ class ServedModel:
             return not self.opening.is_alive()
         return True
 
+    def close(self) -> None:
+        """Free every variant's compiled model now: its container deleted and its library closed,
+        where the runner can (the C entry points' runners: every torch-free one, and ``loader.load``'s
+        CPU variants); a variant not open yet is never opened. Calls after this raise. The weights'
+        memory goes with the last reference to this object. Runs once the calls in flight are done."""
+        for runner in self._runners.values():
+            if isinstance(runner, OnDemand):
+                runner.close(_close_runner)
+            else:
+                _close_runner(runner)
+
     def warm_thread(self) -> None:
         """``warmup()`` in the calling thread, unless this thread has run it already.
 
@@ -302,6 +313,12 @@ class ServedModel:
             f"{v.id}: " + ", ".join(f"{d} {v.dims[d]}" for d in self._dim_order) for v in self._variants
         )
         raise GuardError(f"no compiled variant covers {shape} (variants: {covered})", reason="no_variant")
+
+
+def _close_runner(runner: Any) -> None:
+    close = getattr(runner, "close", None)  # torch's package loader has none: its library stays
+    if close is not None:
+        close()
 
 
 def _volume(v: Variant) -> int:

@@ -462,6 +462,18 @@ class Live:
             self._watcher.join()
             self._watcher = None
 
+    def unload(self) -> None:
+        """Stop watching and serving: the version served is dropped and, once the calls running on it
+        are done (at most ``DRAIN_SECONDS``), its model closed (``ServedModel.close``: containers
+        deleted, libraries closed). Calls after this raise LoaderError, as before the first load."""
+        self.close()
+        with self._swap_lock:
+            with self._enter, self._retired_lock:
+                old, self._serving = self._serving, None
+            if old is not None:
+                old.in_flight.wait_idle(DRAIN_SECONDS)
+                old.model.close()
+
     # --- reporting -----------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """``load()`` and the callable it returns: guards, dispatch to a variant, output structure.
 
-Loading never compiles: each variant's shared library is opened through the C++ package loader
-(``torch._C._aoti.AOTIModelPackageLoader``), which does not import ``torch._inductor`` (about 1 s
-on a small host), and the weights (read privately from a folder, or mapped from a pack's read-only
-cache entry) are handed over as views, shared by all variants.
+Loading never compiles: each CPU variant's shared library is copied out of its package and driven
+through its container's C entry points (``loader.cpu_runner``: off the GIL, closed with the model);
+a CUDA variant, or one that needs torch's proxy executor, is opened through the C++ package loader
+(``torch._C._aoti.AOTIModelPackageLoader``). Neither imports ``torch._inductor`` (about 1 s on a
+small host). The weights (read privately from a folder, or mapped from a pack's read-only cache
+entry) are handed over as views, shared by all variants.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from .aoti import load_constants, open_package
 from .artifact import HeldFile, sha256_file
+from .cpu_runner import direct_opener
 from .cuda import CudaRunner, GraphedRunner, parse_device
 from .dispatch import ServedModel
 from .errors import ArtifactError, IncompatibleArtifactError, first_line
@@ -24,6 +27,7 @@ from .guards import TORCH_DTYPES, InputGuard
 from .host import host_facts, native_cpu_problem
 from .isa import AUTO, IsaChoice, choose_isa
 from .manifest import Manifest, Variant
+from .native.containers import NeedsTorch
 from .opening import DEFAULT_OPEN, OnDemand, check_open_mode, open_variants, start_background
 from .pages import ConstantsRelease, mapped_libraries
 from .policy import ArrayOps
@@ -266,9 +270,18 @@ def _open_runners(
         raise IncompatibleArtifactError(f"{root}: no variants for {kind} (the artifact has {', '.join(have)} variants)")
 
     held = {vid: HeldFile(root / v.file) for vid, v in mine.items()}  # until each is opened
+    # CPU variants run through their container's C entry points, off the GIL (loader.cpu_runner).
+    direct, open_direct = direct_opener(opened, mine, held, weights) if kind == "cpu" else (set(), None)
 
     def open_one(variant_id: str) -> Any:
         v = mine[variant_id]
+        if variant_id in direct:
+            try:
+                runner = open_direct(variant_id)
+            except NeedsTorch:  # its library calls torch's proxy executor: the package loader runs it
+                held[variant_id] = HeldFile(root / v.file)
+            else:
+                return _Cast(runner, TORCH_DTYPES[v.dtype]) if v.dtype is not None else runner
         try:
             _check_package(opened, v, held[variant_id].path)
         except BaseException:
@@ -355,6 +368,11 @@ class _Cast:
 
     def get_constant_fqns(self) -> list[str]:
         return self.runner.get_constant_fqns()
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
 
 def host_cpu_features() -> frozenset[str]:

@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from .errors import ArtifactError, first_line
+from .threads import lower_priority
 
 OPEN_MODES = ("eager", "background", "lazy")
 DEFAULT_OPEN = "background"
-# How much nicer (lower priority) the background opener runs than the process, so the first calls
-# get the CPUs before it.
-BACKGROUND_NICENESS = 10
 
 log = logging.getLogger("loader")
 
@@ -113,7 +110,7 @@ def start_background(pending: list[OnDemand], warm: Callable[[str], None], name:
     stop = threading.Event()
 
     def work() -> None:
-        _lower_priority()
+        lower_priority()  # the first calls get the CPUs before it
         for runner in pending:
             if stop.is_set():
                 return
@@ -132,6 +129,7 @@ def start_background(pending: list[OnDemand], warm: Callable[[str], None], name:
             # hook then): atexit runs hooks last-registered first, so this one runs before those.
             atexit.register(_stop_openers)
             _exit_registered = True
+        _openers[:] = [(s, t) for s, t in _openers if t.is_alive()]  # those done: nothing to stop
         _openers.append((stop, thread))
     thread.start()
     return thread
@@ -149,13 +147,3 @@ def _stop_openers() -> None:
         stop.set()
     for _, thread in openers:
         thread.join()
-
-
-def _lower_priority() -> None:
-    """Make the calling thread (and the OpenMP threads it starts) yield to the process's others.
-    Linux gives each thread its own nice value; elsewhere this does nothing."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICENESS)
-    except (AttributeError, OSError):
-        pass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,3 +288,20 @@ def onednn_cache_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     so every load meets them): ``ONEDNN_CACHE_CAPACITY`` entries each, unless the user set a size."""
     environ = os.environ if environ is None else environ
     return {name: str(ONEDNN_CACHE_CAPACITY) for name in ONEDNN_CACHE_ENV if name not in environ}
+
+
+# How much nicer (lower priority) than the process a thread doing background work runs (the
+# background opener, a server's load of one model while others serve).
+BACKGROUND_NICENESS = 10
+
+
+def lower_priority() -> None:
+    """Make the calling thread (and the threads it starts from now on: OpenMP's team, which a
+    warm-up call starts) yield the CPUs to the process's others, ``BACKGROUND_NICENESS`` nicer.
+    Linux gives each thread its own nice value; elsewhere this does nothing. Not undone: an
+    unprivileged thread cannot raise its priority again."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICENESS)
+    except (AttributeError, OSError):
+        pass

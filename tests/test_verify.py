@@ -135,6 +135,7 @@ def test_load_refuses_before_any_compiled_code_or_unpacking(
         loader.host, "host_facts", lambda: dataclasses.replace(HASWELL, torch_version=torch.__version__)
     )
     monkeypatch.setattr(loader.model, "open_package", lambda *a, **k: pytest.fail("compiled code opened"))
+    monkeypatch.setattr(loader.model, "direct_opener", lambda *a, **k: pytest.fail("compiled code opened"))
     for path in (classifier_artifact, classifier_pack):
         with pytest.raises(
             IncompatibleArtifactError, match=r"cannot run on this host:\n  - cpu: the code was compiled for AVX512"

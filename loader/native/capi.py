@@ -15,13 +15,27 @@ costs its constants once.
 Both are what torch's own runner (``AOTIModelContainerRunner``) calls; the C++ package loader adds
 only unzipping and the proxy executor, which this path refuses to need (``loader.native.package``).
 Every call returns an error code; a failure raises ``CallFailed`` with the runtime's last message.
+Every one of them is a ctypes call of a CDLL function, which lets go of the GIL while it runs: a
+call, the container's creation (a frozen variant's constants copied) and the library's dlopen (its
+relocations) leave the interpreter to the process's other threads.
+
+Closing a container deletes it and then closes its library (``dlclose``): its code and data pages
+are unmapped, unless glibc must keep them: a library is kept while a thread that called into it
+lives (every entry point sets AOTInductor's last error, a ``thread_local`` string, whose destructor
+glibc runs at that thread's exit; the library goes at the next ``dlclose`` after; so the deletion
+runs on a thread of its own), and the first
+library to define one of the C++ runtime's unique symbols stays for the process (``STB_GNU_UNIQUE``:
+glibc marks it not unloadable). So a process that loads and unloads a model from threads that end
+with it (a server's, ``precompile serve``) maps one such library at most, whatever the cycles.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from ctypes import POINTER, byref, c_bool, c_char_p, c_int32, c_int64, c_size_t, c_void_p
@@ -34,6 +48,7 @@ from ..pages import ConstantsRelease
 
 # numpy has no bfloat16: an artifact whose inputs or outputs are bfloat16 needs the torch loader.
 NUMPY_DTYPES = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
+RTLD_NOW = getattr(os, "RTLD_NOW", 2)
 
 
 class CallFailed(RuntimeError):
@@ -93,6 +108,31 @@ _CONTAINER = {
     ),
 }
 _OPTIONAL = {"AOTInductorGetLastError": ([POINTER(c_char_p)], c_int32)}
+
+
+_libdl = ctypes.CDLL(None)
+_dlopen = _libdl.dlopen
+_dlopen.argtypes, _dlopen.restype = [c_char_p, ctypes.c_int], c_void_p
+_dlclose = _libdl.dlclose
+_dlclose.argtypes, _dlclose.restype = [c_void_p], ctypes.c_int
+_dlerror = _libdl.dlerror
+_dlerror.argtypes, _dlerror.restype = [], c_char_p
+
+
+def open_library(path: str | Path, mode: int) -> ctypes.CDLL:
+    """``ctypes.CDLL(path, mode)``, its ``dlopen`` called as a foreign function: ctypes' own holds the
+    GIL through the dynamic linker's relocations, a stall for every other thread of a server while a
+    model loads. OSError with the linker's message if it cannot be opened."""
+    handle = _dlopen(str(path).encode(), mode)
+    if not handle:
+        error = _dlerror()
+        raise OSError(error.decode(errors="replace") if error else f"{path}: cannot open")
+    return ctypes.CDLL(str(path), mode=mode, handle=handle)
+
+
+def close_library(handle: int) -> None:
+    """``dlclose`` a handle ``open_library`` returned (nothing of it may be called after)."""
+    _dlclose(handle)
 
 
 def _bind(lib: ctypes.CDLL, table: dict, where: str, optional: bool = False) -> dict:
@@ -193,22 +233,32 @@ class Container:
     def __init__(self, shim: Shim, library: Path, *, own_constants: bool = False, runners: int = 1):
         self.shim = shim
         try:
-            self.lib = ctypes.CDLL(str(library))  # RTLD_LOCAL: each variant's library keeps its own symbols
+            # RTLD_NOW: one built against another torch fails here, not at a call; RTLD_LOCAL: each
+            # variant's library keeps its own symbols.
+            self.lib = open_library(library, RTLD_NOW)
         except OSError as e:
             raise CallFailed(f"cannot open the compiled library: {e}") from None
-        f = _bind(self.lib, _CONTAINER, "the compiled library")
+        try:
+            f = _bind(self.lib, _CONTAINER, "the compiled library")
+        except CallFailed:
+            close_library(self.lib._handle)
+            raise
         self._last_error = _bind(self.lib, _OPTIONAL, "", optional=True).get("AOTInductorGetLastError")
         self._run = f["AOTInductorModelContainerRun"]
         self._f = f
         handle = c_void_p()
-        # A frozen variant (``own_constants``) copies its constants out of the library as it is created.
-        with ConstantsRelease(library) if own_constants else contextlib.nullcontext():
-            self._call("AOTInductorModelContainerCreateWithDevice", byref(handle), max(1, runners), b"cpu", None)
-        self.handle = handle.value
         self._in_flight = _InFlight()  # close() (and the deletion at exit) waits for the runs in flight
-        # Deleted with this object (or by close()); the library itself stays mapped: ctypes never unloads one.
+        try:
+            # A frozen variant (``own_constants``) copies its constants out of the library as it is created.
+            with ConstantsRelease(library) if own_constants else contextlib.nullcontext():
+                self._call("AOTInductorModelContainerCreateWithDevice", byref(handle), max(1, runners), b"cpu", None)
+        except CallFailed:
+            close_library(self.lib._handle)
+            raise
+        self.handle = handle.value
+        # Deleted with this object (or by close()), and then its library closed.
         self._finalizer = weakref.finalize(
-            self, _delete, self._in_flight, f["AOTInductorModelContainerDelete"], self.handle
+            self, _delete, self._in_flight, f["AOTInductorModelContainerDelete"], self.handle, self.lib._handle
         )
         self.num_inputs = self._size("AOTInductorModelContainerGetNumInputs")
         self.num_outputs = self._size("AOTInductorModelContainerGetNumOutputs")
@@ -244,15 +294,7 @@ class Container:
 
     def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         shim = self.shim
-        inputs = (c_void_p * self.num_inputs)(*[shim.tensor(a.ctypes.data, a.shape, a.dtype.name) for a in arrays])
-        outputs = (c_void_p * self.num_outputs)()
-        if not self._in_flight.enter():
-            raise CallFailed("the model was closed")
-        try:
-            # The input handles are stolen by the container (it frees them); the outputs are ours.
-            self._check(self._run(self.handle, inputs, self.num_inputs, outputs, self.num_outputs, None, None), "run")
-        finally:
-            self._in_flight.leave()
+        outputs = self.run_handles([shim.tensor(a.ctypes.data, a.shape, a.dtype.name) for a in arrays])
         results, failed = [], None
         for h in outputs:  # every handle is freed, even after one output cannot be read
             try:
@@ -263,8 +305,24 @@ class Container:
             raise failed
         return results
 
+    def run_handles(self, inputs: Sequence[int]) -> list[int]:
+        """Run on tensor handles in forward() order, which the container takes (it frees them, even
+        when the run fails or the container is closed); return the output handles, which are the
+        caller's to free."""
+        handles = (c_void_p * self.num_inputs)(*inputs)
+        outputs = (c_void_p * self.num_outputs)()
+        if not self._in_flight.enter():
+            for h in inputs:
+                self.shim.delete(h)
+            raise CallFailed("the model was closed")
+        try:
+            self._check(self._run(self.handle, handles, self.num_inputs, outputs, self.num_outputs, None, None), "run")
+        finally:
+            self._in_flight.leave()
+        return [h or 0 for h in outputs]
+
     def close(self) -> None:
-        """Delete the container now (later runs raise CallFailed)."""
+        """Delete the container now and close its library (later runs raise CallFailed)."""
         self._in_flight.close()
         self._finalizer()
 
@@ -274,6 +332,8 @@ class Container:
         return out.value
 
     def _call(self, name: str, *args) -> None:
+        if self._in_flight.closed:
+            raise CallFailed("the model was closed")  # its library is closed: nothing of it may run
         self._check(self._f[name](*args), name.removeprefix("AOTInductorModelContainer"))
 
     def _check(self, code: int, what: str) -> None:
@@ -295,6 +355,10 @@ class _InFlight:
         self._count = 0
         self._closed = False
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def enter(self) -> bool:
         with self._changed:
             if self._closed:
@@ -315,9 +379,29 @@ class _InFlight:
                 self._changed.wait()
 
 
-def _delete(in_flight: _InFlight, delete, handle: int) -> None:
+def _delete(in_flight: _InFlight, delete, handle: int, library: int) -> None:
+    """Delete a container, then close its library. The deletion runs on a thread of its own that
+    ends before the library is closed: every entry point sets AOTInductor's ``thread_local`` last
+    error, and glibc keeps a library mapped while a thread that set one lives."""
     in_flight.close()  # never while a run is in flight
-    delete(handle)
+    deleting = threading.Thread(target=delete, args=(handle,), name="delete-container")
+    try:
+        deleting.start()
+    except RuntimeError:  # no new thread (the interpreter exiting): delete here; the process unmaps it
+        delete(handle)
+        return
+    deleting.join()
+    _wait_gone(deleting.native_id)
+    close_library(library)
+
+
+def _wait_gone(tid: int | None, timeout: float = 1.0) -> None:
+    """Wait until the thread ``tid`` has left the kernel: glibc runs its ``thread_local``
+    destructors after Python's ``join`` returns. Past ``timeout``, the library is closed anyway,
+    and goes at a later ``dlclose``."""
+    deadline = time.monotonic() + timeout
+    while tid is not None and os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() < deadline:
+        time.sleep(0.0002)
 
 
 def _check(code: int, what: str) -> None:

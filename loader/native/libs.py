@@ -25,7 +25,7 @@ from ..cuda import CudaFacts
 from ..errors import LoaderError
 from ..host import CPU_CAPABILITY_ORDER, HostFacts
 from ..threads import WAIT_POLICY_ENV, cpu_allowance, default_threads, openmp_env, threading_problems, warn_once
-from .capi import Shim
+from .capi import Shim, open_library
 
 LIBRARIES = ("libc10.so", "libtorch_cpu.so")
 OPENMP = "libgomp.so.1"  # torch's wheel ships the one its compiled code is built against
@@ -277,18 +277,7 @@ def open_lazily(path: Path, mode: int = 0) -> ctypes.CDLL:
     against 34,911 lazily, counted with ``LD_DEBUG=statistics``); the rest are bound at their first
     call. Only for torch's own libraries, whose symbols are all there: a variant's library is opened
     with RTLD_NOW, so that one built against another torch fails to open instead of at a call."""
-    handle = _dlopen(str(path).encode(), RTLD_LAZY | mode)
-    if not handle:
-        error = _dlerror()
-        raise OSError(error.decode(errors="replace") if error else f"{path}: cannot open")
-    return ctypes.CDLL(str(path), mode=mode, handle=handle)
-
-
-_libdl = ctypes.CDLL(None)
-_dlopen = _libdl.dlopen
-_dlopen.argtypes, _dlopen.restype = [ctypes.c_char_p, ctypes.c_int], ctypes.c_void_p
-_dlerror = _libdl.dlerror
-_dlerror.argtypes, _dlerror.restype = [], ctypes.c_char_p
+    return open_library(path, RTLD_LAZY | mode)
 
 
 def openmp_library(maps: str | os.PathLike = "/proc/self/maps") -> str | None:

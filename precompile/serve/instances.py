@@ -49,28 +49,33 @@ class InstancesClosed(Exception):
         super().__init__("the server is stopping")
 
 
-def default_count(*, workers: int = 1, threads: int | None = None, runtime: str = "torch") -> int:
+def default_count(
+    *, workers: int = 1, threads: int | None = None, runtime: str = "torch", gil_free: bool | None = None
+) -> int:
     """The instances this worker's share of the CPUs (those the process gets, over ``workers``) can
-    feed. On the torch runtime, whose binding holds the GIL for the whole call, each with a full
-    OpenMP team of ``threads`` (default: torch's, ``OMP_NUM_THREADS`` cut to the CPUs). On the
-    torch-free one, whose calls let go of the GIL and run side by side (a container instance per CPU,
-    ``loader.threads.concurrent_runners``), as many as ``default_batch_count``: a lone call gets the
-    whole team, calls at once share it. At least one."""
+    feed. Where a call holds the GIL for its whole length (torch's binding: a CUDA variant on the
+    torch runtime), each with a full OpenMP team of ``threads`` (default: torch's, ``OMP_NUM_THREADS``
+    cut to the CPUs). Where calls let go of the GIL and run side by side (``gil_free``; by default
+    on the torch-free runtime; CPU variants on the torch runtime too, ``loader.cpu_runner``: a
+    container instance per CPU, ``loader.threads.concurrent_runners``), as many as
+    ``default_batch_count``: a lone call gets the whole team, calls at once share it. At least one."""
     allowance = cpu_allowance()
     threads = threads if threads is not None else default_threads(allowance)
-    if runtime == "native":
-        return default_batch_count(workers=workers, runtime=runtime, threads=threads)
+    if runtime == "native" if gil_free is None else gil_free:
+        return default_batch_count(workers=workers, threads=threads, gil_free=True)
     return max(1, allowance.cpus // max(1, workers) // max(1, threads))
 
 
-def default_batch_count(*, workers: int = 1, runtime: str = "torch", threads: int | None = None) -> int:
+def default_batch_count(
+    *, workers: int = 1, runtime: str = "torch", threads: int | None = None, gil_free: bool | None = None
+) -> int:
     """With --batch: batches at once per worker, one per CPU of its share and at most its OpenMP
     ``threads`` (default: torch's, ``OMP_NUM_THREADS`` cut to the CPUs; loader.Batcher splits them
-    between the batches running and gives a lone one them all), where compiled calls can overlap: the
-    torch-free runtime calls the compiled code through ctypes, which lets go of the GIL. The torch
-    runtime's binding (``AOTIModelPackageLoader.run``) holds the GIL for the whole call, so a second
-    batch would only wait for it, and the event loop with it: one."""
-    if runtime != "native":
+    between the batches running and gives a lone one them all), where compiled calls can overlap
+    (``gil_free``, as ``default_count`` says): they call the compiled code through ctypes, which lets
+    go of the GIL. torch's binding (``AOTIModelPackageLoader.run``, a CUDA variant's) holds the GIL
+    for the whole call, so a second batch would only wait for it, and the event loop with it: one."""
+    if not (runtime == "native" if gil_free is None else gil_free):
         return 1
     allowance = cpu_allowance()
     threads = threads if threads is not None else default_threads(allowance)

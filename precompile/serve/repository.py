@@ -330,8 +330,9 @@ class Repository:
         self._warned.pop(name, None)
         again = {v for v, s in current.items() if retry and not s.live.ready and v in wanted}
         new = {v: self._service(name, path) for v, path in wanted.items() if v not in current or v in again}
+        serving = self._started.is_set()  # past the first scan: other models serve while these load
         for service in new.values():
-            service.start()
+            service.start(background=serving)
         for service in new.values():
             service.join_load()
         with self._lock:

@@ -23,7 +23,8 @@ from starlette.concurrency import run_in_threadpool
 import loader
 from loader import Batcher, BatcherClosed, Live, LoaderError, TrafficRecorder
 from loader.live import Serving, SwapAttempt, read_served_manifest
-from loader.threads import default_threads
+from loader.manifest import Manifest
+from loader.threads import default_threads, lower_priority
 
 from .codec import MIN_BODY_BYTES, body_limit, codec_for, dumps, parse_body
 from .config import ServeConfig
@@ -57,18 +58,23 @@ class Service:
     ):
         self.config = config
         self.codec = codec_for(config.runtime)
+        self._owns_live = live is None  # a holder it made is unloaded when it stops; a caller's is left
         if live is None:  # loader.load (None: imported, with torch, at the first load) or the torch-free one
             load = loader.load_native if config.runtime == "native" else None
             live = Live(allow_rollback=config.allow_rollback, load=load, check=check, **config.load_options())
         self.live = live
-        self.max_body_bytes = config.max_body_bytes or self._default_body_limit()
+        manifest = self._manifest()
+        self.max_body_bytes = config.max_body_bytes or (body_limit(manifest) if manifest else MIN_BODY_BYTES)
+        # Compiled calls that let go of the GIL run side by side: every torch-free one, and a CPU
+        # artifact's on the torch runtime (loader.cpu_runner); a CUDA one's holds it.
+        self.gil_free = config.runtime == "native" or (manifest is not None and manifest.target.device == "cpu")
         self.labels = labels
         self.metrics = metrics if metrics is not None else Metrics(lambda: listed(self.describe_serving()))
         self.live.on_attempt(self._count_attempt)
         self.recorder: TrafficRecorder | None = None
         self.batcher: Batcher | None = None
         if config.batch:  # batches run on execution instances too, as many at once as the CPUs can feed
-            count = config.instances or default_batch_count(workers=config.workers, runtime=config.runtime)
+            count = config.instances or default_batch_count(workers=config.workers, gil_free=self.gil_free)
             self.batcher = Batcher(
                 self.live,
                 **config.batcher_options(),
@@ -85,18 +91,27 @@ class Service:
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, *, background: bool = False) -> None:
+        """Start serving: the execution instances, and the first load on a thread of its own; with
+        ``background`` (a repository's model loaded while others serve), at a lower CPU priority, it
+        and the OpenMP team its warm-up starts, so the models serving keep their latency. Not
+        ``SCHED_IDLE``: the load holds the GIL between its steps, and a thread that runs only on idle
+        CPUs held it for up to a second on a busy host (every call of the others waiting)."""
         if self.batcher is None:  # calls run on a bounded number of execution instances, a queue in front
             self.instances = Instances(
-                count=self.config.instances or default_count(workers=self.config.workers, runtime=self.config.runtime),
+                count=self.config.instances or default_count(workers=self.config.workers, gil_free=self.gil_free),
                 queue_size=self.config.queue_size,
             )
         if self.config.record:
             self.recorder = TrafficRecorder(self.live, self.config.record, interval=self.config.record_interval)
-        self._loader = threading.Thread(target=self._load_then_watch, name="precompile-load", daemon=True)
+        self._loader = threading.Thread(
+            target=self._load_then_watch, args=(background,), name="precompile-load", daemon=True
+        )
         self._loader.start()
 
-    def _load_then_watch(self) -> None:
+    def _load_then_watch(self, background: bool) -> None:
+        if background:
+            lower_priority()
         if not self.live.ready:
             try:
                 self.live.swap(self.config.artifact)
@@ -116,9 +131,12 @@ class Service:
             self.batcher.close()
         if self.instances is not None:
             self.instances.close()
-        self.live.close()
         if self.recorder is not None:
             self.recorder.close()
+        if self._owns_live:  # no call reaches its model now: closed (its libraries too), not left to the collector
+            self.live.unload()
+        else:
+            self.live.close()
 
     def _count_attempt(self, attempt: SwapAttempt) -> None:
         self.metrics.reloads.labels(*self.labels, "ok" if attempt.ok else "failed").inc()
@@ -135,13 +153,14 @@ class Service:
     def _count_batch(self, size: int, waits: list[float]) -> None:
         self.metrics.count_batch(size, waits, self.labels)
 
-    def _default_body_limit(self) -> int:
+    def _manifest(self) -> Manifest | None:
+        """The manifest of what this service serves or will load; None where it cannot be read (the
+        load will fail and say why; nothing will be served meanwhile)."""
         serving = self.live.current
         try:
-            manifest = serving.model.manifest if serving is not None else read_served_manifest(self.config.artifact)
+            return serving.model.manifest if serving is not None else read_served_manifest(self.config.artifact)
         except LoaderError:
-            return MIN_BODY_BYTES  # the load will fail and say why; nothing will be served meanwhile
-        return body_limit(manifest)
+            return None
 
     def describe_serving(self) -> dict | None:
         serving = self.live.current
