@@ -1,7 +1,7 @@
 """Start uvicorn on the app: one process, or several workers that each load the artifact.
 
-Workers are separate processes (the compiled code holds the GIL while it runs, so threads in one
-process take turns; see bench/concurrency.py), each listening on the port with a socket of its own
+Workers are separate processes (a CUDA variant's compiled code holds the GIL while it runs, so its
+threads in one process take turns; CPU variants run off the GIL: docs/serving.md), each listening on the port with a socket of its own
 (workers.py: the kernel spreads connections over them). Each maps the same weights file, so the page
 cache holds one copy. Workers cannot share a POST /v1/reload (it reaches one of them), so with several
 workers hot swap goes through --watch, which every worker follows.
