@@ -93,6 +93,18 @@ def batch_counts(served: str) -> tuple[float, float]:
 
 def test_concurrent_clients_are_batched_and_each_gets_its_own_result(served, classifier):
     calls = [inputs(seed) for seed in range(6)]
+    # The batcher has an instance per CPU (as on the native runtime): an idle one may take a call
+    # before its batch-mates arrive, so a round of six may run as six; a few rounds must batch some.
+    for _ in range(3):
+        batches, rows = _concurrent_round(served, classifier, calls)
+        assert rows == len(calls)
+        if batches < rows:
+            break
+    assert batches < rows  # some calls ran together
+
+
+def _concurrent_round(served, classifier, calls) -> tuple[float, float]:
+    """Send ``calls`` at once; check each answer; (batches run, rows run) meanwhile."""
     batches_before, rows_before = batch_counts(served)
     start = threading.Barrier(len(calls))
 
@@ -110,7 +122,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_result(served, cla
         want = classifier(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     batches, rows = (after - before for after, before in zip(batch_counts(served), (batches_before, rows_before)))
-    assert rows == len(calls) and batches < rows  # some calls ran together
+    return batches, rows
 
 
 def test_a_call_the_guards_refuse_raises_with_the_guards_message(client, classifier):

@@ -282,6 +282,11 @@ def test_auto_serves_the_kept_precisions_fp32_serves_fp32(lowp):
 
 
 def test_a_host_without_the_features_gets_fp32(lowp, monkeypatch):
+    recorded = {f for v in loader.load(lowp.path, warmup=False).manifest.variants for f in v.cpu_features}
+    if not recorded - {"avx2", "avx512_f"}:  # built where bf16 and VNNI are emulated: nothing for a host to lack
+        pytest.skip(
+            f"the build host's bf16 and int8 kernels need no CPU feature beyond avx2 (recorded: {sorted(recorded)})"
+        )
     monkeypatch.setattr(loader_model, "host_cpu_features", lambda: frozenset({"avx2", "avx512_f"}))
     model = loader.load(lowp.path)
     assert model.precision.order == ("fp32",)
