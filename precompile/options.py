@@ -30,6 +30,12 @@ MANAGED: dict[str, str] = {
 # out and compiles the unit without extern kernels and libtorch, or says why it cannot).
 STANDALONE = "standalone"
 
+# compile.conv_routes in a unit's options (not an Inductor option either: the compile stage takes it
+# out and rewrites those convolutions before Inductor sees them, ``precompile.passes.conv_routes``):
+# the kinds of convolution compiled without a per-shape oneDNN primitive.
+CONV_ROUTES = "conv_routes"
+ALL_CONV_ROUTES = ("conv1x1_as_gemm", "depthwise_as_loops")
+
 # Inductor writes the constants beside the code (not inside the .so), as pickles the build takes out.
 WEIGHTS_OUT: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,

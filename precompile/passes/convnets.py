@@ -49,6 +49,7 @@ from torch.export import ExportedProgram
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..analysis.shapes import dim_symbols, user_line
+from . import conv_routes
 
 aten = torch.ops.aten
 
@@ -96,10 +97,14 @@ def model_kind(ep: ExportedProgram) -> str:
     return "convnet" if counts["conv"] > counts["product"] else "other"
 
 
-def rewrite(ep: ExportedProgram) -> list[Rewrite]:
-    """Apply the rewrites to ``ep``'s graph in place; what was changed, in graph order."""
+def rewrite(ep: ExportedProgram, routes: tuple[str, ...] = ()) -> list[Rewrite]:
+    """Apply the rewrites to ``ep``'s graph in place, and the convolution ``routes`` asked for
+    (``precompile.passes.conv_routes``, before the copies: a routed convolution's output is such a
+    view); what was changed, in graph order."""
     gm = ep.graph_module
-    done = _global_avg_pools(gm) + _pixel_convs_as_linear(gm) + _pads_into_convs(gm) + _copy_conv_inputs(gm)
+    done = _global_avg_pools(gm) + _pixel_convs_as_linear(gm) + _pads_into_convs(gm)
+    done += [Rewrite(kind, name, "") for kind, name in conv_routes.route(gm, routes)]
+    done += _copy_conv_inputs(gm)
     if done:
         gm.graph.lint()
         gm.recompile()

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loader.constants import DTYPES
 
-from ..options import PRESETS, STANDALONE
+from ..options import ALL_CONV_ROUTES, CONV_ROUTES, PRESETS, STANDALONE
 
 Dtype = Literal[DTYPES]  # type: ignore[valid-type]
 
@@ -119,11 +119,21 @@ class CompileSpec(_Strict):
         "artifact's own tensor shim; a variant that cannot be is compiled as usual and says why",
     )
 
+    conv_routes: Optional[list[Literal[ALL_CONV_ROUTES]]] = Field(  # type: ignore[valid-type]
+        default=None,
+        description="the fp32 convolutions compiled without a per-shape oneDNN primitive (no JIT at the first call "
+        "at a new image size): conv1x1_as_gemm (1×1 ones as matrix products), depthwise_as_loops (generated "
+        "loops); [] keeps every convolution oneDNN's; unset: the model kind's default (docs/compile-options.md)",
+    )
+
     def candidates(self) -> list[dict[str, Any]]:
         """The option sets each variant is compiled with: compile.inductor alone without tuning, else
         each candidate (preset first, then the listed ones, duplicates dropped) merged over it; each
-        marked standalone (``precompile.standalone.OPTION``) when asked."""
-        mark = {STANDALONE: True} if self.standalone else {}
+        marked standalone (``precompile.standalone.OPTION``) when asked, and with the convolution
+        routes asked for (``options.CONV_ROUTES``)."""
+        mark: dict[str, Any] = {STANDALONE: True} if self.standalone else {}
+        if self.conv_routes is not None:
+            mark[CONV_ROUTES] = list(dict.fromkeys(self.conv_routes))
         if self.tune is None:
             return [{**self.inductor, **mark}]
         listed = (PRESETS.get(self.tune.preset, []) if self.tune.preset else []) + list(self.tune.candidates)

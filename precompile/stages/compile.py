@@ -9,6 +9,7 @@ package, not from the module's state dict, gives exactly the tensors the compile
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import warnings
@@ -25,7 +26,7 @@ from loader.aoti import open_package
 from .. import build_cache, standalone
 from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
-from ..options import WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
+from ..options import CONV_ROUTES, WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
 from ..passes import convnets
 from ..units import CompiledPackage
 
@@ -54,6 +55,7 @@ def compile_package(
 
     options, wanted = standalone.without_option(options)
     options = with_kind_defaults(options, convnets.model_kind(ep))  # convnets: frozen unless told otherwise
+    routes = tuple(options.pop(CONV_ROUTES, ()))
     embedded = embeds_constants(options, device)
     configs = {**options} if embedded else {**options, **WEIGHTS_OUT}
     if prepacks_convolutions(options, device):  # Inductor packs only static ones (precompile.passes.prepack)
@@ -61,7 +63,11 @@ def compile_package(
     if device == "cuda" and multi_arch:
         configs["aot_inductor.emit_multi_arch_kernel"] = True
     raw = out.with_suffix(".full.pt2")
-    convnets.rewrite(ep)  # Inductor defects around pooling and convolutions (precompile.passes.convnets)
+    if routes:  # rewritten on a copy: the program may be compiled again under other options (tuning)
+        ep = copy.deepcopy(ep)
+    # Inductor defects around pooling and convolutions, and the convolutions that need no per-shape
+    # oneDNN primitive (precompile.passes.convnets, conv_routes)
+    convnets.rewrite(ep, routes)
     shim, not_standalone = None, None
     key = _cache_key(ep, configs, device, multi_arch, isa) if cache and not (wanted and device == "cpu") else None
     with build_cache.claimed(Path(cache), key) if cache and key else contextlib.nullcontext():

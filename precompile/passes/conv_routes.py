@@ -1,0 +1,223 @@
+"""Convolutions that never need a per-shape oneDNN primitive: 1×1 ones as matrix products, depthwise
+ones as loops Inductor generates.
+
+oneDNN has no shape-agnostic convolution on CPU: it creates (JIT-compiles) a primitive the first time
+it meets each input shape in each thread, about 0.2 ms of CPU per convolution, so the first call at
+an image size the warm-up never ran costs 1.3–2.5× the steady call (52 primitives a call for
+MobileNetV2). Two kinds of convolution need no such primitive:
+
+- **1×1**, no padding, groups or dilation (any stride): a matrix product over the channels,
+  ``[N·H·W, C] @ [C, K]`` on a channels-last activation, written as ``bmm`` over the batch so that
+  freezing's linear pattern (which would hand it to oneDNN's inner product, again one primitive per
+  size) leaves it to MKL's GEMM, which has no per-shape code. A batch norm that is the convolution's
+  only reader is folded into the weight and bias in the graph (freezing folds the constants).
+- **depthwise** k×k (one filter per channel): a sum of k² shifted, strided slices of the padded input
+  times the filter's taps, one pointwise kernel Inductor generates (the pad is a masked load).
+
+    done = route(ep.graph_module)      # [Rewrite("conv1x1_as_gemm", ...), Rewrite("depthwise_as_loops", ...)]
+
+Both are exact up to the order of the additions (eager's convolution sums in another order).
+Dense k×k convolutions stay oneDNN's: their primitives are created at load for the shapes the
+warm-up runs (``loader.warmup``).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch._refs
+
+aten = torch.ops.aten
+
+CONV2DS = (aten.conv2d.default, aten.convolution.default)
+KEPT_META = ("stack_trace", "nn_module_stack")
+
+
+class _Builder:
+    """Adds nodes before ``anchor``, each with its value computed from its inputs' values."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node):
+        self.graph, self.anchor = graph, anchor
+
+    def __call__(self, target: Any, *args: Any) -> torch.fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args)
+        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        vals = [[v.meta["val"] if isinstance(v, torch.fx.Node) else v for v in a] if isinstance(a, list) else a
+                for a in vals]  # fmt: skip
+        # constant_pad_nd's C++ kernel reads the sizes as ints (fixing each at its hint): its Python
+        # reference keeps them symbolic, run in the program's fake mode.
+        if target is aten.constant_pad_nd.default:
+            with torch._guards.detect_fake_mode(vals[0]):
+                node.meta["val"] = torch._refs.constant_pad_nd(*vals)
+        else:
+            node.meta["val"] = target(*vals)
+        node.meta.update({k: v for k, v in self.anchor.meta.items() if k in KEPT_META})
+        return node
+
+
+def _conv_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
+    """A 2-d, not transposed convolution's arguments, its stride, padding and dilation as pairs of
+    ints; None for anything else (a string padding other than "valid", a 1-d or 3-d one)."""
+    if node.op != "call_function" or node.target not in CONV2DS:
+        return None
+    bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    if bound is None:
+        return None
+    kw = dict(bound.kwargs)
+    if kw.get("transposed", False):
+        return None
+    for key, default in (("stride", 1), ("padding", 0), ("dilation", 1)):
+        value = kw.get(key, default)
+        value = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(value) == 1:
+            value = value * 2
+        if not all(isinstance(v, int) for v in value):
+            return None
+        kw[key] = value
+    kw["groups"] = kw.get("groups", 1)
+    vals = [getattr(kw[k], "meta", {}).get("val") for k in ("input", "weight")]
+    if not all(isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == torch.float32 for v in vals):
+        return None
+    if kw["weight"].op not in ("placeholder", "get_attr"):
+        return None  # a quantized weight (dequantized in the graph): Inductor's int8 patterns want the conv
+    return kw
+
+
+BATCH_NORMS = (aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default)
+
+
+def _folded_norm(node: torch.fx.Node) -> tuple[torch.fx.Node, list[Any]] | None:
+    """The inference batch norm that is ``node``'s only reader and its ``(weight, bias, mean, var,
+    eps)`` (weight and bias may be None), its parameters the model's own tensors; else None."""
+    if len(node.users) != 1:
+        return None
+    norm = next(iter(node.users))
+    if norm.op != "call_function" or norm.target not in BATCH_NORMS or norm.args[0] is not node:
+        return None
+    if norm.target is aten.batch_norm.default:
+        _, weight, bias, mean, var, training, _, eps, *_ = norm.args
+        if training:
+            return None
+    else:
+        _, weight, bias, mean, var, _, eps = norm.args
+        if any(u.target is not operator.getitem or u.args[1] != 0 for u in norm.users):
+            return None
+    params = [p for p in (weight, bias, mean, var) if p is not None]
+    if mean is None or var is None or not all(isinstance(p, torch.fx.Node) and p.op in ("placeholder", "get_attr")
+                                              for p in params):  # fmt: skip
+        return None
+    return norm, [weight, bias, mean, var, eps]
+
+
+def _scale_and_shift(b: _Builder, conv_bias: Any, norm: list[Any] | None) -> tuple[Any, Any]:
+    """The per-channel scale the weight is multiplied by and the shift added after (None: none)."""
+    if norm is None:
+        return None, conv_bias
+    weight, bias, mean, var, eps = norm
+    scale = b(aten.rsqrt.default, b(aten.add.Tensor, var, eps))
+    if weight is not None:
+        scale = b(aten.mul.Tensor, scale, weight)
+    centred = b(aten.neg.default, mean) if conv_bias is None else b(aten.sub.Tensor, conv_bias, mean)
+    shift = b(aten.mul.Tensor, centred, scale)
+    if bias is not None:
+        shift = b(aten.add.Tensor, shift, bias)
+    return scale, shift
+
+
+def _replace(gm: torch.fx.GraphModule, conv: torch.fx.Node, norm: torch.fx.Node | None, out: torch.fx.Node) -> None:
+    graph = gm.graph
+    if norm is None:
+        conv.replace_all_uses_with(out)
+    elif norm.target is aten.batch_norm.default:
+        norm.replace_all_uses_with(out)
+    else:
+        for user in list(norm.users):  # getitem 0 of _native_batch_norm_legit_no_training
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
+    if norm is not None:
+        graph.erase_node(norm)
+    graph.erase_node(conv)
+
+
+def _gemm_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]) -> bool:
+    """A 1×1 convolution with no padding, groups or dilation as ``bmm`` over the channels."""
+    x, weight = kw["input"], kw["weight"]
+    wv = weight.meta["val"]
+    k, c = wv.shape[:2]
+    if tuple(wv.shape[2:]) != (1, 1) or kw["groups"] != 1 or any(kw["padding"]) or kw["dilation"] != [1, 1]:
+        return False
+    folded = _folded_norm(node)
+    b = _Builder(gm.graph, node)
+    scale, shift = _scale_and_shift(b, kw.get("bias"), folded[1] if folded else None)
+    matrix = b(aten.view.default, weight, [k, c])
+    if scale is not None:
+        matrix = b(aten.mul.Tensor, matrix, b(aten.unsqueeze.default, scale, 1))
+    for axis, step in ((2, kw["stride"][0]), (3, kw["stride"][1])):
+        if step != 1:
+            x = b(aten.slice.Tensor, x, axis, 0, None, step)
+    n, h, w = (b(aten.sym_size.int, x, axis) for axis in (0, 2, 3))
+    # One batch of N·H·W rows: the weight stays a constant of fixed size (an expand to the batch
+    # would be folded at the batch's hint).
+    rows = b(aten.reshape.default, b(aten.permute.default, x, [0, 2, 3, 1]), [1, -1, c])
+    cols = b(aten.unsqueeze.default, b(aten.t.default, matrix), 0)
+    out = b(aten.bmm.default, rows, cols)
+    if shift is not None:
+        out = b(aten.add.Tensor, out, shift)
+    out = b(aten.permute.default, b(aten.reshape.default, out, [n, h, w, k]), [0, 3, 1, 2])
+    _replace(gm, node, folded[0] if folded else None, out)
+    return True
+
+
+def _loop_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]) -> bool:
+    """A depthwise convolution (one filter per channel, no dilation) as a sum of shifted slices."""
+    x, weight = kw["input"], kw["weight"]
+    wv, xv = weight.meta["val"], x.meta["val"]
+    channels, kh, kwd = wv.shape[0], wv.shape[2], wv.shape[3]
+    if wv.shape[1] != 1 or kw["groups"] != channels or xv.shape[1] != channels or kw["dilation"] != [1, 1]:
+        return False
+    (sh, sw), (ph, pw) = kw["stride"], kw["padding"]
+    folded = _folded_norm(node)
+    b = _Builder(gm.graph, node)
+    scale, shift = _scale_and_shift(b, kw.get("bias"), folded[1] if folded else None)
+    if scale is not None:
+        weight = b(aten.mul.Tensor, weight, b(aten.view.default, scale, [channels, 1, 1, 1]))
+    # Tap (i, j) reads the padded input from (i, j) on, every step-th pixel, up to k - 1 - i short of
+    # its end: as many windows as the convolution has, at any size, with no arithmetic on the sizes.
+    padded = b(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0) if ph or pw else x
+    total = None
+    for i in range(kh):
+        rows = b(aten.slice.Tensor, padded, 2, i, i + 1 - kh or None, sh)
+        for j in range(kwd):
+            window = b(aten.slice.Tensor, rows, 3, j, j + 1 - kwd or None, sw)
+            tap = b(aten.view.default, b(aten.slice.Tensor, b(aten.slice.Tensor, weight, 2, i, i + 1), 3, j, j + 1),
+                    [1, channels, 1, 1])  # fmt: skip
+            term = b(aten.mul.Tensor, window, tap)
+            total = term if total is None else b(aten.add.Tensor, total, term)
+    if shift is not None:
+        total = b(aten.add.Tensor, total, b(aten.view.default, shift, [1, channels, 1, 1]))
+    _replace(gm, node, folded[0] if folded else None, total)
+    return True
+
+
+ROUTES = {"conv1x1_as_gemm": _gemm_conv, "depthwise_as_loops": _loop_conv}
+
+
+def route(gm: torch.fx.GraphModule, kinds: tuple[str, ...] = tuple(ROUTES)) -> list[tuple[str, str]]:
+    """Rewrite the convolutions of ``kinds`` in place; ``(kind, node)`` for each rewritten."""
+    done = []
+    for node in list(gm.graph.nodes):
+        kw = _conv_args(gm, node)
+        if kw is None:
+            continue
+        for kind in kinds:
+            if ROUTES[kind](gm, node, kw):
+                done.append((kind, node.name))
+                break
+    if done:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return done

@@ -1,0 +1,151 @@
+"""precompile.passes.conv_routes: 1×1 convolutions as matrix products, depthwise ones as loops.
+
+What a route must keep: the values (every dynamic size, against eager), the convolutions it must not
+touch (dense k×k, grouped, dilated, bf16), and what it is for: the compiled program creates no oneDNN
+convolution primitive for a routed convolution, so a first call at a new size pays only for the
+convolutions left to oneDNN (counted with ``ONEDNN_VERBOSE`` in a child process).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from precompile.passes import conv_routes
+from precompile.profile.schema import CompileSpec
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(1, 3, 96, 96), (3, 3, 131, 200), (4, 3, 97, 255), (2, 3, 160, 144)]
+
+
+class Blocks(nn.Module):
+    """Every kind of convolution a convnet holds, each followed by what real ones follow it with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())  # dense: kept
+        self.expand = nn.Sequential(nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6())  # 1×1 + norm
+        self.depthwise = nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1, groups=32, bias=False), nn.BatchNorm2d(32), nn.SiLU())
+        self.strided = nn.Conv2d(32, 32, 5, 2, 2, groups=32)  # depthwise 5×5, stride 2, a bias, no norm
+        self.down = nn.Conv2d(32, 24, 1, stride=2)  # 1×1, stride 2, a bias
+        self.grouped = nn.Conv2d(24, 24, 3, 1, 1, groups=4)  # grouped, not depthwise: kept
+        self.dilated = nn.Conv2d(24, 24, 3, 1, 2, dilation=2, groups=24)  # dilated depthwise: kept
+        self.project = nn.Sequential(nn.Conv2d(24, 8, 1), nn.BatchNorm2d(8))  # 1×1 with bias + norm
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.depthwise(self.expand(self.stem(x)))
+        x = self.down(self.strided(x))
+        x = self.project(self.dilated(self.grouped(x)) + x)
+        return self.head(x.mean((2, 3)))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    m = Blocks().eval()
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):  # not the identity a fresh norm is
+            mod.running_mean.normal_()
+            mod.running_var.uniform_(0.5, 2.0)
+            mod.weight.data.normal_()
+            mod.bias.data.normal_()
+    return m
+
+
+def _export(m: nn.Module) -> torch.export.ExportedProgram:
+    b, h, w = (torch.export.Dim(n, min=lo, max=hi) for n, lo, hi in (("b", 1, 4), ("h", 96, 256), ("w", 96, 256)))
+    return torch.export.export(m, (torch.randn(2, 3, 160, 144),), dynamic_shapes=({0: b, 2: h, 3: w},), strict=False)
+
+
+def _convs(ep: torch.export.ExportedProgram) -> int:
+    return sum(1 for n in ep.graph.nodes if n.op == "call_function" and n.target in conv_routes.CONV2DS)
+
+
+def test_routes_rewrite_exactly_the_kinds_they_name_and_keep_the_values():
+    m = _model()
+    ep = _export(m)
+    assert _convs(ep) == 8
+    done = conv_routes.route(ep.graph_module)
+    assert Counter(kind for kind, _ in done) == {"conv1x1_as_gemm": 3, "depthwise_as_loops": 2}
+    assert _convs(ep) == 3  # the stem, the grouped and the dilated one stay oneDNN's
+    norms = [n for n in ep.graph.nodes if n.op == "call_function" and n.target in conv_routes.BATCH_NORMS]
+    assert len(norms) == 1  # the stem's: the other three are folded into their convolutions' weights
+    for shape in SHAPES:  # every size: nothing of the rewrite was fixed at the export's hint
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(ep.module()(x), m(x), rtol=1e-4, atol=1e-5)
+
+
+def test_one_route_alone_leaves_the_other_kind():
+    ep = _export(_model())
+    done = conv_routes.route(ep.graph_module, ("depthwise_as_loops",))
+    assert [kind for kind, _ in done] == ["depthwise_as_loops"] * 2
+    assert _convs(ep) == 6
+    assert conv_routes.route(_export(_model()).graph_module, ()) == []
+
+
+def test_bf16_and_quantized_convolutions_are_left_to_onednn():
+    m = _model().to(torch.bfloat16)
+    b = torch.export.Dim("b", min=1, max=4)
+    ep = torch.export.export(m, (torch.randn(2, 3, 128, 128, dtype=torch.bfloat16),), dynamic_shapes=({0: b},))
+    assert conv_routes.route(ep.graph_module) == []
+
+
+def test_profile_names_the_routes():
+    spec = CompileSpec(conv_routes=["depthwise_as_loops", "depthwise_as_loops"])
+    assert spec.candidates() == [{"conv_routes": ["depthwise_as_loops"]}]
+    assert CompileSpec().candidates() == [{}]  # unset: the model kind's default (options.KIND_DEFAULTS)
+    with pytest.raises(ValueError, match="conv1x1_as_gemm"):
+        CompileSpec(conv_routes=["winograd"])
+
+
+CHILD = textwrap.dedent("""
+    import sys, torch
+    runner = torch._inductor.aoti_load_package(sys.argv[1])
+    with torch.no_grad():
+        runner(torch.randn(2, 3, 143, 117))
+""")
+
+
+def _primitives(package: Path) -> int:
+    """oneDNN convolution primitives the package's first call at a new size creates."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "all", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", CHILD, str(package)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return sum(1 for line in run.stdout.splitlines() if "create:cache_miss" in line and ",convolution," in line)
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, nn.Module]]:
+    from precompile.stages.compile import compile_package
+
+    m = _model()
+    out = {}
+    for label, routes in (("onednn", []), ("routed", list(conv_routes.ROUTES))):
+        path = tmp_path_factory.mktemp(label) / "model.pt2"
+        compile_package(_export(m), path, options={"freezing": True, "conv_routes": routes}, device="cpu")
+        out[label] = (path, m)
+    return out
+
+
+def test_routed_convolutions_create_no_primitive_and_match_eager(packages):
+    from torch._inductor import aoti_load_package
+
+    onednn, routed = (_primitives(packages[k][0]) for k in ("onednn", "routed"))
+    assert (onednn, routed) == (8, 3)  # routed: the stem, the grouped and the dilated convolution
+    path, m = packages["routed"]
+    runner = aoti_load_package(str(path))
+    for shape in SHAPES:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(runner(x), m(x), rtol=1e-4, atol=1e-5)
