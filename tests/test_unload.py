@@ -34,11 +34,13 @@ def frozen_heap():
     """What the session holds before the test, moved out of the collector's sight (``gc.freeze``):
     each cycle's ``gc.collect()`` then walks the cycle's own objects only, not the whole worker's heap
     (a second a cycle in a full suite's worker, a tenth in a fresh process). The model's objects are
-    made after the freeze, so a cycle keeping one alive is still seen."""
+    made after the freeze, so a cycle keeping one alive is still seen. What the test left is collected
+    after it, so the next test's count of libraries starts without it."""
     gc.collect()
     gc.freeze()
     yield
     gc.unfreeze()
+    gc.collect()
 
 
 @pytest.mark.parametrize("runtime", ["torch", "native"])
