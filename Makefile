@@ -24,10 +24,11 @@ demo: venv
 # The checks that take seconds first: ruff (format and lint, [tool.ruff]) and the import contracts
 # ([tool.importlinter]) in pyproject.toml; then the tests, which take minutes. `make lint` alone: the first two.
 # The tests run in TEST_WORKERS processes (pytest-xdist), a file's tests in one of them; the session's
-# artifacts compile once for all of them through one build cache (tests/conftest.py: build_cache).
+# artifacts compile once for all of them through one build cache (tests/conftest.py: build_cache), and
+# the files go out longest first (tests/conftest.py: LONGEST_FIRST; xdist's own reorder is off).
 TEST_WORKERS ?= 2
 test: lint triton
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The edit loop: lint, then the unit tier only (in process: no compile or export, no server, no child
 # process; tests/conftest.py says which tests those are): about a minute on 2 cores. `make test`

@@ -67,7 +67,45 @@ def builds(fixture: Callable[..., Any]) -> Callable[..., Any]:
     return fixture
 
 
+# --- order: the longest files first ---------------------------------------------------------------
+#
+# `make test` hands whole files to its xdist workers (--dist loadfile) in collection order
+# (--no-loadscope-reorder: xdist's own reorder sends the files with the most tests first, which left a
+# 9-minute file of 17 tests to the end). Files known to take a minute or more, their compiles and
+# servers included, go first, longest first (measured on 2026-12-03's 2-core host), so that the
+# other worker drains the short files meanwhile and the run ends with both workers busy. A file
+# missing here only runs later; a file that grows slow belongs on the list.
+LONGEST_FIRST = (
+    "test_convnets.py",
+    "test_precision.py",
+    "test_build.py",
+    "test_shard.py",
+    "test_ray_executor.py",
+    "test_standalone.py",
+    "test_api.py",
+    "test_rayserve.py",
+    "test_batching_section.py",
+    "test_doctor.py",
+    "test_hostile.py",
+    "test_guards.py",
+    "test_triton.py",
+    "test_gpu_check.py",
+    "test_build_cache.py",
+    "test_bench.py",
+    "test_serve_repository.py",
+    "test_tune.py",
+    "test_kserve.py",
+    "test_threads.py",
+)
+
+
+def _file_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=_file_rank)  # stable: a file's tests keep their order, the other files theirs
     for item in items:
         if item.get_closest_marker("slow") or item.get_closest_marker("integration"):
             continue
@@ -169,11 +207,12 @@ policy:
 
 @pytest.fixture(scope="session")
 @builds
-def tagger_build(tmp_path_factory):
+def tagger_build(tmp_path_factory, build_cache):
     """A planned artifact: 2 static variants, 2 dynamic ones over seq [4,16] and [17,32], pad and
-    split policies. Compiled with 2 jobs, so the parallel path is exercised."""
+    split policies. Compiled with 2 jobs, so the parallel path is exercised; its compiles go into the
+    session's build cache (the second xdist worker wanting it copies them)."""
     folder = tmp_path_factory.mktemp("tagger")
-    return build(write_profile(folder, TAGGER_PROFILE), folder / "artifact", jobs=2)
+    return build(write_profile(folder, TAGGER_PROFILE), folder / "artifact", jobs=2, cache=build_cache)
 
 
 ENCODER_PROFILE = """
@@ -199,11 +238,12 @@ batching:
 
 @pytest.fixture(scope="session")
 @builds
-def encoder_artifact(tmp_path_factory) -> Path:
+def encoder_artifact(tmp_path_factory, build_cache) -> Path:
     """Two dynamic variants with a batching section (pad seq): tests/test_batching_section.py reads
-    its manifest, tests/test_serve_native.py batches it without torch."""
+    its manifest, tests/test_serve_native.py batches it without torch. Its compiles go into the
+    session's build cache, so the two files' workers compile it once."""
     folder = tmp_path_factory.mktemp("encoder")
-    return build(write_profile(folder, ENCODER_PROFILE), folder / "artifact").path
+    return build(write_profile(folder, ENCODER_PROFILE), folder / "artifact", cache=build_cache).path
 
 
 def artifact_version(src: Path, dst: Path, version: int) -> Path:
