@@ -80,12 +80,15 @@ def assert_nothing_outside_the_cache_tmp(sandbox: Path) -> None:
 
 
 def load_pack_bytes(sandbox: Path, data: bytes, **kw) -> None:
+    """Load a pack from ``data``; where it is refused, nothing of it is left in the cache (where it
+    is not, a harmless flip, the cache holds its entry as it should)."""
     path = sandbox / "in.tar.zst"
     path.write_bytes(data)
     try:
         loader.load(path, cache_dir=sandbox / "cache", **kw)
-    finally:
+    except BaseException:
         assert_nothing_outside_the_cache_tmp(sandbox)
+        raise
 
 
 @pytest.fixture(scope="module")
