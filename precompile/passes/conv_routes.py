@@ -187,13 +187,17 @@ def _loop_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]
     # Tap (i, j) reads the padded input from (i, j) on, every step-th pixel, up to k - 1 - i short of
     # its end: as many windows as the convolution has, at any size, with no arithmetic on the sizes.
     padded = b(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0) if ph or pw else x
+    # The taps tap-major, each a contiguous row over the channels (freezing folds the copy): a tap read
+    # from the [C, 1, k, k] weight itself would be a gather with stride k² in the vectorised loop.
+    taps = b(
+        aten.contiguous.default, b(aten.permute.default, b(aten.view.default, weight, [channels, kh * kwd]), [1, 0])
+    )
     total = None
     for i in range(kh):
         rows = b(aten.slice.Tensor, padded, 2, i, i + 1 - kh or None, sh)
         for j in range(kwd):
             window = b(aten.slice.Tensor, rows, 3, j, j + 1 - kwd or None, sw)
-            tap = b(aten.view.default, b(aten.slice.Tensor, b(aten.slice.Tensor, weight, 2, i, i + 1), 3, j, j + 1),
-                    [1, channels, 1, 1])  # fmt: skip
+            tap = b(aten.view.default, b(aten.select.int, taps, 0, i * kwd + j), [1, channels, 1, 1])
             term = b(aten.mul.Tensor, window, tap)
             total = term if total is None else b(aten.add.Tensor, total, term)
     if shift is not None:
