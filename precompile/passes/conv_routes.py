@@ -7,14 +7,14 @@ an image size the warm-up never ran costs 1.3–2.5× the steady call (52 primit
 MobileNetV2). Two kinds of convolution need no such primitive:
 
 - **1×1**, no padding, groups or dilation (any stride): a matrix product over the channels,
-  ``[N·H·W, C] @ [C, K]`` on a channels-last activation, written as ``bmm`` over the batch so that
+  ``[N·H·W, C] @ [C, K]`` on a channels-last activation, written as a ``bmm`` of one batch so that
   freezing's linear pattern (which would hand it to oneDNN's inner product, again one primitive per
   size) leaves it to MKL's GEMM, which has no per-shape code. A batch norm that is the convolution's
   only reader is folded into the weight and bias in the graph (freezing folds the constants).
 - **depthwise** k×k (one filter per channel): a sum of k² shifted, strided slices of the padded input
   times the filter's taps, one pointwise kernel Inductor generates (the pad is a masked load).
 
-    done = route(ep.graph_module)      # [Rewrite("conv1x1_as_gemm", ...), Rewrite("depthwise_as_loops", ...)]
+    done = route(ep.graph_module)      # [("conv1x1_as_gemm", "conv2d_1"), ("depthwise_as_loops", "conv2d_2"), ...]
 
 Both are exact up to the order of the additions (eager's convolution sums in another order).
 Dense k×k convolutions stay oneDNN's: their primitives are created at load for the shapes the
