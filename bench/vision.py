@@ -1,4 +1,4 @@
-"""The vision suite: five kinds of convnet at any image size, against eager and the CPU peers.
+"""The vision suite: seven convnets at any image size, against eager and the CPU peers.
 
     .venv/bin/python -m bench.vision [--models resnet50 mobilenet_v2 ...] [--seconds 1.0] [--out bench/results/vision.json]
     .venv/bin/python -m bench.vision --work /work/benchart/vision --build-only    # build (and export ONNX) only
@@ -7,12 +7,14 @@
     .venv/bin/python -m bench.vision --work /work/benchart/vision --reorders     # oneDNN reorders per call
 
     resnet50         dense 3×3 and 1×1 convolutions (bottlenecks)
+    resnet18         dense 3×3 convolutions (basic blocks)
     mobilenet_v2     depthwise convolutions
     efficientnet_b0  depthwise convolutions and squeeze-and-excite
     regnet_y         grouped convolutions (RegNetY-4GF) and squeeze-and-excite
     segformer        an encoder-decoder for segmentation (MiT-b0: attention over strided convolutions)
+    unet             a hand-written UNet: dense 3×3 convolutions, transposed ones up, skips concatenated
 
-Each from its transformers config with random weights (``profiles/bench/models.py``), built from
+Each from its transformers config (the UNet: written in the file) with random weights (``profiles/bench/models.py``), built from
 ``profiles/bench/vision_<model>.yaml``: one dynamic fp32 variant over batch 1-4 and 96-256 pixels a
 side (a convnet frozen by the per-kind default), the same unfrozen (``freezing: false``: what the
 default is measured against), and its ONNX export for the peers. ``--work`` keeps them in
@@ -73,7 +75,7 @@ from . import firstcall
 from .precision import PEER_LABELS, PROFILES, ROOT, peer_label
 from .vision_worker import Worker, WorkerFailed
 
-MODELS = ("resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y", "segformer")
+MODELS = ("resnet50", "resnet18", "mobilenet_v2", "efficientnet_b0", "regnet_y", "segformer", "unet")
 PEER = "ONNX Runtime (f32)"  # the ratios' reference
 EAGER = "eager fp32"  # the reference outputs
 

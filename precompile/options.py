@@ -80,6 +80,15 @@ PRESETS: dict[str, list[dict[str, Any]]] = {
         {"freezing": True},
         {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
     ],
+    # Convnets: every convolution oneDNN's, or the 1×1 ones (then the depthwise ones too) compiled
+    # without a per-shape primitive (compile.conv_routes): oneDNN's kernels are the fastest steady call
+    # on most hosts, the routes' first call at a new image size costs no more than their steady one;
+    # the tune stage's first-call bound (compile.tune.first_call) weighs the two on the build host.
+    "convnet": [
+        {"freezing": True},
+        {"freezing": True, CONV_ROUTES: ["conv1x1_as_gemm"]},
+        {"freezing": True, CONV_ROUTES: ["conv1x1_as_gemm", "depthwise_as_loops"]},
+    ],
 }
 
 

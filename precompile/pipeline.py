@@ -47,7 +47,7 @@ from .stages.references import write_references
 from .stages.resolve import resolve
 from .stages.resolve.program import model_source
 from .stages.targets import compile_tasks, cuda_info, expand_precisions, expand_targets, usable_targets
-from .stages.tune import Trial, describe, tune_variants
+from .stages.tune import FIRST_CALL_BOUND, Trial, describe, tune_variants
 from .traffic import read_distribution
 from .units import CompiledUnit, CompiledUnits, Plan, VariantPlan
 from .write import publish, staging_folder
@@ -216,7 +216,9 @@ def _tune(ctx: BuildContext, units: CompiledUnits, progress: Progress) -> tuple[
     if not ctx.tuning:
         return [units.first(vp.id) for vp in fp32], ()
     with progress.stage("tune", f"{len(ctx.candidates)} option sets per variant, timed on its traffic"):
-        result = tune_variants(ctx.profile, ctx.model, fp32, units, ctx.candidates, ctx.traffic)
+        tune = ctx.profile.compile.tune
+        bound = tune.first_call if tune is not None else FIRST_CALL_BOUND
+        result = tune_variants(ctx.profile, ctx.model, fp32, units, ctx.candidates, ctx.traffic, first_call_bound=bound)
     for vp in fp32:
         progress.note(describe([t for t in result.trials if t.variant == vp.id]))
     return list(result.kept), result.trials

@@ -149,3 +149,47 @@ def test_routed_convolutions_create_no_primitive_and_match_eager(packages):
         x = torch.randn(shape)
         with torch.no_grad():
             torch.testing.assert_close(runner(x), m(x), rtol=1e-4, atol=1e-5)
+
+
+CONVNET_TUNED = """
+    name: excite-tuned
+    model: {factory: "tiny:excite_net"}
+    inputs: {x: {shape: [batch, 3, height, width], dtype: float32}}
+    dims: {batch: {min: 1, max: 2}, height: {min: 24, max: 64}, width: {min: 24, max: 64}}
+    plan: {max_specialized: 0}
+    compile: {tune: {preset: convnet}}
+    check: {random_shapes: 1}
+"""
+
+
+def test_the_convnet_preset_times_each_route_s_first_call_and_keeps_what_the_bound_chooses(tmp_path):
+    from click.testing import CliRunner
+
+    import loader
+    from precompile.cli import main
+    from precompile.pipeline import build
+    from precompile.profile import load_profile
+    from precompile.stages.resolve import resolve_model
+    from precompile.stages.tune import Trial, choose
+
+    from .conftest import write_profile
+
+    path = write_profile(tmp_path, CONVNET_TUNED)
+    built = build(path, tmp_path / "artifact", jobs=2)
+    trials = built.manifest.check.tuning
+    assert [t["options"].get("conv_routes") for t in trials] == [
+        None, ["conv1x1_as_gemm"], ["conv1x1_as_gemm", "depthwise_as_loops"]
+    ]  # fmt: skip
+    assert all(t["ms"] > 0 and t["first_ratio"] > 0 for t in trials)  # each route's first call timed
+    recorded = [
+        Trial(t["variant"], t["candidate"], t["options"], ms=t["ms"], first_ratio=t["first_ratio"]) for t in trials
+    ]
+    (kept,) = [t["candidate"] for t in trials if t.get("kept")]
+    assert kept == choose(recorded, first_call=1.5).candidate
+    model, eager = loader.load(built.path), resolve_model(load_profile(path))
+    for shape in ((1, 3, 24, 24), (2, 3, 64, 37), (1, 3, 41, 58)):  # whichever route won: eager's values
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), eager(x), rtol=1e-4, atol=1e-5)
+    out = CliRunner().invoke(main, ["inspect", str(built.path)], catch_exceptions=False).output
+    assert "conv_routes=['conv1x1_as_gemm']" in out and "first call" in out

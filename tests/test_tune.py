@@ -19,7 +19,7 @@ from precompile.pipeline import build
 from precompile.profile import load_profile
 from precompile.progress import Progress, RichProgress
 from precompile.stages.resolve import resolve_model
-from precompile.stages.tune import Trial, choose
+from precompile.stages.tune import Trial, choose, first_call_cost, fresh_shapes
 from precompile.traffic import serving_shapes
 from precompile.units import VariantPlan
 
@@ -86,8 +86,14 @@ def test_every_candidate_is_timed_and_the_fastest_that_matches_is_kept(tuned):
     assert [(t["variant"], t["candidate"]) for t in trials] == [("dynamic", 0), ("dynamic", 1)]
     assert [t["options"] for t in trials] == [{}, {"freezing": True}]
     assert all(t["ms"] > 0 and t["max_abs_error"] < 1e-4 and t["compile_s"] > 0 for t in trials)
+    assert all(t["first_ratio"] > 0 for t in trials)  # a dynamic variant's first call at a new shape, timed
     (kept,) = [t for t in trials if t["kept"]]
-    assert kept["ms"] == min(t["ms"] for t in trials)
+    # The fastest, unless its first call at a new shape costs over 1.5× the fastest steady call
+    # and the other's does not (the rule itself: test_choose_keeps_the_fastest_candidate_...).
+    recorded = [
+        Trial(t["variant"], t["candidate"], t["options"], ms=t["ms"], first_ratio=t["first_ratio"]) for t in trials
+    ]
+    assert kept["candidate"] == choose(recorded, first_call=1.5).candidate
     assert sorted(p.name for p in (tuned.path / "variants").iterdir()) == ["dynamic.pt2"]  # the loser is gone
 
 
@@ -141,10 +147,35 @@ def test_choose_skips_failed_candidates_and_says_why_when_none_is_left():
         choose([Trial("v", 0, {}, error="boom")])
 
 
+def test_choose_keeps_the_fastest_candidate_whose_first_call_stays_within_the_bound():
+    # oneDNN's: the fastest steady call, its first call at a new shape 2.5× that; a routed one: 1.2×
+    # as slow, its first call 1.1× its own steady call, so 1.32× the fastest steady call.
+    onednn = Trial("v", 0, {"freezing": True}, ms=10.0, first_ratio=2.5)
+    routed = Trial("v", 1, {"conv_routes": ["conv1x1_as_gemm"]}, ms=12.0, first_ratio=1.1)
+    loops = Trial("v", 2, {"conv_routes": ["conv1x1_as_gemm", "depthwise_as_loops"]}, ms=18.0, first_ratio=1.0)
+    assert first_call_cost(routed, 10.0) == pytest.approx(1.32)
+    assert choose([onednn, routed, loops], first_call=1.5).candidate == 1
+    assert choose([onednn, routed, loops], first_call=None).candidate == 0  # steady speed alone
+    assert choose([onednn, routed, loops], first_call=3.0).candidate == 0  # every one within: the fastest
+    # None within the bound: the fastest all the same (the build notes each candidate's first call).
+    assert choose([onednn, replace(routed, first_ratio=1.5)], first_call=1.5).candidate == 0
+    # A candidate whose first call was not measured (a static variant's) counts as within it.
+    assert choose([replace(onednn, first_ratio=None), routed], first_call=1.5).candidate == 0
+
+
+def test_fresh_shapes_lie_inside_the_ranges_and_never_repeat_one_seen():
+    vp = VariantPlan("dynamic", "dynamic", {"batch": (1, 2), "h": (5, 6)}, {"batch": 1, "h": 5})
+    seen = {(1, 5)}
+    shapes = fresh_shapes(vp, seen, 2, seed=0) + fresh_shapes(vp, seen, 2, seed=1)
+    keys = [(s["batch"], s["h"]) for s in shapes]
+    assert len(keys) == len(set(keys)) == 3 and (1, 5) not in keys  # 4 shapes in all, one seen before
+    assert seen == {(1, 5), (1, 6), (2, 5), (2, 6)}
+
+
 @pytest.mark.parametrize(
     "tune, message",
     [
-        ("{preset: fastest}", "compile.tune.preset: unknown preset 'fastest' (presets: cpu, cpu-max)"),
+        ("{preset: fastest}", "compile.tune.preset: unknown preset 'fastest' (presets: cpu, cpu-max, convnet)"),
         ("{max_seconds: 10}", "compile.tune: give a preset or at least one candidate"),
         ("{candidates: [{freezin: true}]}", "compile.tune.candidates[0].freezin: unknown Inductor option"),
     ],

@@ -80,10 +80,14 @@ def describe(manifest) -> str:
         lines.append(f"check     {manifest.check.shapes} shapes, max abs error {manifest.check.max_abs_error:.2e}")
     tuning = manifest.check.tuning
     if tuning:
-        lines.append("tuning    each variant's candidates, ms on its traffic (* kept)")
+        lines.append(
+            "tuning    each variant's candidates, ms on its traffic, first call at a new shape ÷ steady (* kept)"
+        )
         for t in tuning:
             options = options_label(t.get("options", {}))
             result = f"{t['ms']:.3f} ms" if "ms" in t else f"failed: {str(t.get('error', ''))[:80]}"
+            if "ms" in t and "first_ratio" in t:
+                result += f"  first call {t['first_ratio']:.2f}×"
             lines.append(f"  {'*' if t.get('kept') else ' '} {t.get('variant', '?'):<16} {options:<40} {result}")
     gates = manifest.check.precision
     dropped = [g for g in gates if not g.get("kept")]

@@ -101,6 +101,13 @@ class TuneSpec(_Strict):
         gt=0,
         description="stop compiling further candidates after this long; the first candidate always compiles",
     )
+    first_call: Optional[float] = Field(
+        default=1.5,
+        ge=1,
+        description="a dynamic variant keeps the fastest candidate whose first call at a shape no call met costs at "
+        "most this many of the fastest candidate's steady call (oneDNN compiles each convolution at each new shape), "
+        "when one does; null: the fastest steady call alone",
+    )
 
 
 class CompileSpec(_Strict):

@@ -6,12 +6,21 @@ and here each candidate package is opened, checked against eager and timed on th
 the observed traffic. The fastest candidate that matches eager is kept; the trials of all of them go
 into the manifest, so ``precompile inspect`` shows what was tried and why one won.
 
+A dynamic variant also serves shapes no call met before, and there a candidate may pay more than its
+steady time: oneDNN creates (JIT-compiles) a primitive for every convolution the first time it meets
+an input shape, where a convolution routed to a GEMM or a generated loop (``compile.conv_routes``)
+has nothing to create. So each candidate's first call is timed too, at shapes drawn afresh for it
+(``first_call``), and the first-call bound (``compile.tune.first_call``, 1.5× by default) keeps the
+fastest candidate whose first call stays within the bound of the fastest steady call, when one does.
+
 Options are not free wins (measured on this kind of machine: freezing made a small conv net 1.3×
 slower and MiniLM at 1×16 tokens 2× faster), hence measuring rather than guessing.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -37,6 +46,9 @@ class Trial:
     options: dict[str, Any]
     compile_s: float | None = None
     ms: float | None = None  # traffic-weighted mean of the median ms per shape
+    # A dynamic variant's first call at a shape no call met, over the steady call there (the worst of
+    # FIRST_CALL_SHAPES shapes drawn for this candidate alone; None: not measured).
+    first_ratio: float | None = None
     max_abs_error: float | None = None
     error: str | None = None  # why it failed to compile or to match eager
     kept: bool = False
@@ -72,12 +84,72 @@ def measure(
     return weighted, report.max_abs_error
 
 
-def choose(trials: list[Trial]) -> Trial:
-    """The fastest trial that matched eager (ties: the earlier candidate), as a new Trial marked kept."""
+# The first call at a new shape, as a multiple of the steady call, that the build aims for (issue 22's
+# target, the loader's promise of no compilation at the first call): compile.tune.first_call's default.
+FIRST_CALL_BOUND = 1.5
+FIRST_CALL_SHAPES = 2
+
+
+def first_call_cost(trial: Trial, fastest_ms: float) -> float | None:
+    """``trial``'s first call at a new shape as a multiple of the fastest candidate's steady call."""
+    if trial.first_ratio is None or trial.ms is None:
+        return None
+    return trial.first_ratio * trial.ms / fastest_ms
+
+
+def fresh_shapes(vp: VariantPlan, seen: set[tuple[int, ...]], count: int, seed: int) -> list[dict[str, int]]:
+    """``count`` shapes inside ``vp``'s ranges that are not in ``seen`` (added to it), drawn with
+    ``seed``; fewer where the ranges hold no more."""
+    rng = random.Random(seed)
+    names = list(vp.ranges)
+    out: list[dict[str, int]] = []
+    for _ in range(100 * count):
+        if len(out) == count:
+            break
+        sizes = {d: rng.randint(*vp.ranges[d]) for d in names}
+        key = tuple(sizes[d] for d in names)
+        if key not in seen:
+            seen.add(key)
+            out.append(sizes)
+    return out
+
+
+def first_call(
+    run: Runner, profile: Profile, vp: VariantPlan, shapes: list[dict[str, int]], *, seconds_per_shape: float = 0.2
+) -> float | None:
+    """The worst, over ``shapes`` (none met by ``run`` before), of the first call's time over the
+    steady call's at the same shape; None without shapes. The largest shape runs first, as the
+    loader's warm-up runs it (``loader.warmup``): what remains is what a served first call pays."""
+    sync = device_sync(vp.device)
+    largest = {d: hi for d, (_, hi) in vp.ranges.items()}
+    run(*to_device(make_inputs(profile, largest, seed=profile.check.seed), vp.device, vp.dtype))
+    worst = None
+    for i, sizes in enumerate(shapes):
+        args = to_device(make_inputs(profile, sizes, seed=profile.check.seed + 7919 + i), vp.device, vp.dtype)
+        start = time.perf_counter()
+        run(*args)
+        sync()
+        first = (time.perf_counter() - start) * 1000
+        (steady,) = time_calls(lambda: (run(*args), sync()), seconds=seconds_per_shape)
+        ratio = first / max(steady, 1e-6)
+        worst = ratio if worst is None else max(worst, ratio)
+    return worst
+
+
+def choose(trials: list[Trial], first_call: float | None = None) -> Trial:
+    """The fastest trial that matched eager (ties: the earlier candidate), as a new Trial marked kept.
+
+    With a ``first_call`` bound, the fastest among those whose first call at a new shape costs at
+    most that many of the fastest steady call (``first_call_cost``), when any does; a candidate whose
+    first call was not measured (a static variant) counts as within it. When none is, the fastest."""
     good = [t for t in trials if t.error is None and t.ms is not None]
     if not good:
         reasons = "; ".join(f"candidate {t.candidate} {t.options}: {t.error}" for t in trials)
         raise CheckError(f"variant {trials[0].variant}: no tuning candidate compiled and matched eager ({reasons})")
+    if first_call is not None:
+        fastest = min(t.ms for t in good if t.ms is not None)
+        within = [t for t in good if (first_call_cost(t, fastest) or 0.0) <= first_call]
+        good = within or good
     best = min(good, key=lambda t: (t.ms, t.candidate))
     return replace(best, kept=True)
 
@@ -90,7 +162,8 @@ def describe(trials: list[Trial]) -> str:
         if t.error is not None:
             parts.append(f"{label}: failed")
         else:
-            parts.append(f"{'*' if t.kept else ''}{label}: {t.ms:.3f} ms")
+            first = f" (first call {t.first_ratio:.2f}×)" if t.first_ratio is not None else ""
+            parts.append(f"{'*' if t.kept else ''}{label}: {t.ms:.3f} ms{first}")
     return f"{trials[0].variant}: " + "  ".join(parts)
 
 
@@ -101,6 +174,7 @@ class TuneResult:
 
 
 Measure = Callable[[Runner, CompiledUnit, list[tuple[dict[str, int], float]]], tuple[float, float]]
+FirstCall = Callable[[Runner, CompiledUnit, list[dict[str, int]]], float | None]
 
 
 def tune_variants(
@@ -113,14 +187,22 @@ def tune_variants(
     *,
     open_runner: Callable[[CompiledPackage, str], Runner] = open_candidate,
     measure_unit: Measure | None = None,
+    measure_first: FirstCall | None = None,
+    first_call_bound: float | None = FIRST_CALL_BOUND,
 ) -> TuneResult:
-    """Time every compiled candidate of every variant on its serving shapes; keep the fastest that
-    matches eager under the variant's own file name and delete the others. ``open_runner`` and
-    ``measure_unit`` (runner, unit, shapes → (ms, max abs error)) default to the real ones."""
+    """Time every compiled candidate of every variant on its serving shapes, and a dynamic variant's
+    first call at shapes none met; keep the fastest that matches eager (within ``first_call_bound``,
+    ``choose``) under the variant's own file name and delete the others. ``open_runner``,
+    ``measure_unit`` (runner, unit, shapes → (ms, max abs error)) and ``measure_first`` (runner, unit,
+    fresh shapes → first ÷ steady) default to the real ones."""
     measure_unit = measure_unit or (lambda run, u, shapes: measure(run, model, profile, u.variant, shapes))
+    measure_first = measure_first or (lambda run, u, fresh: first_call(run, profile, u.variant, fresh))
     kept, trials = [], []
     for vp in variants:
         shapes = serving_shapes(vp, traffic, tuple(profile.dims))
+        # Each candidate's first call is timed at shapes of its own: oneDNN keeps the primitives one
+        # created for a shape, and another candidate's convolutions at that shape would find them.
+        seen = {tuple(s[d] for d in vp.ranges) for s, _ in shapes} | {tuple(vp.hint[d] for d in vp.ranges)}
         # A variant built for an x86-64 level compiled each candidate with its level's options over it.
         level = ISA_OPTIONS.get(vp.isa or "", {})
         mine = []
@@ -129,8 +211,17 @@ def tune_variants(
             if same is not None:
                 mine.append(Trial(vp.id, k, {**options, **level}, error=f"compiles as candidate {same} for {vp.isa}"))
             else:
-                mine.append(_trial(vp, k, {**options, **level}, compiled, shapes, open_runner, measure_unit))
-        best = choose(mine)
+                fresh = (
+                    fresh_shapes(vp, seen, FIRST_CALL_SHAPES, seed=profile.check.seed + 31 * k)
+                    if vp.kind == "dynamic" and first_call_bound is not None
+                    else []
+                )
+                mine.append(
+                    _trial(
+                        vp, k, {**options, **level}, compiled, (shapes, fresh), open_runner, measure_unit, measure_first
+                    )
+                )
+        best = choose(mine, first_call_bound)
         mine = [best if t.candidate == best.candidate else t for t in mine]
         winner = compiled.get(vp.id, best.candidate)
         assert winner is not None  # choose() only picks a candidate that compiled
@@ -150,16 +241,22 @@ def _trial(
     k: int,
     options: dict[str, Any],
     compiled: CompiledUnits,
-    shapes: list[tuple[dict[str, int], float]],
+    shapes: tuple[list[tuple[dict[str, int], float]], list[dict[str, int]]],
     open_runner: Callable[[CompiledPackage, str], Runner],
     measure_unit: Measure,
+    measure_first: FirstCall,
 ) -> Trial:
-    """One candidate of one variant: its compile time, and its speed and error once it ran, or why not."""
+    """One candidate of one variant: its compile time, and its speed and error once it ran, or why not.
+    ``shapes``: the serving shapes with their weights, and the fresh shapes of its first calls (first:
+    no call met them before)."""
     unit = compiled.get(vp.id, k)
     if unit is None:
         return Trial(vp.id, k, options, error=compiled.failure(vp.id, k) or "not compiled")
+    serving, fresh = shapes
     try:
-        ms, max_abs_error = measure_unit(open_runner(unit.package, vp.device), unit, shapes)
+        run = open_runner(unit.package, vp.device)
+        ms, max_abs_error = measure_unit(run, unit, serving)  # warms it at its serving shapes, as a load does
+        first_ratio = measure_first(run, unit, fresh) if fresh else None
     except (CheckError, RuntimeError) as e:
         return Trial(vp.id, k, options, compile_s=unit.seconds, error=str(e)[:2000])
-    return Trial(vp.id, k, options, compile_s=unit.seconds, ms=ms, max_abs_error=max_abs_error)
+    return Trial(vp.id, k, options, compile_s=unit.seconds, ms=ms, max_abs_error=max_abs_error, first_ratio=first_ratio)

@@ -100,6 +100,55 @@ def resnet50() -> nn.Module:
     return Logits(ResNetForImageClassification(ResNetConfig())).eval()
 
 
+def resnet18() -> nn.Module:
+    """ResNet-18 (transformers' ResNet with basic blocks: two 3×3 convolutions each, [2, 2, 2, 2]),
+    random weights, classification logits."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512])
+    return settle_batch_norms(Logits(ResNetForImageClassification(config)))
+
+
+class UNet(nn.Module):
+    """A hand-written UNet (no library's): three levels of two 3×3 convolutions with batch norm and
+    ReLU, max-pooling down, transposed 2×2 convolutions up, skips concatenated, a 1×1 head with 2
+    classes. Sides of any size that 8 divides keep the skips' sizes equal; others are cropped."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+                nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+            )  # fmt: skip
+
+        w = width
+        self.down = nn.ModuleList([block(3, w), block(w, 2 * w), block(2 * w, 4 * w)])
+        self.bottom = block(4 * w, 8 * w)
+        self.up = nn.ModuleList([nn.ConvTranspose2d(c, c // 2, 2, stride=2) for c in (8 * w, 4 * w, 2 * w)])
+        self.merge = nn.ModuleList([block(8 * w, 4 * w), block(4 * w, 2 * w), block(2 * w, w)])
+        self.head = nn.Conv2d(w, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+            x = nn.functional.max_pool2d(x, 2)
+        x = self.bottom(x)
+        for up, merge, skip in zip(self.up, self.merge, reversed(skips)):
+            x = up(x)
+            x = merge(torch.cat([skip[:, :, : x.shape[2], : x.shape[3]], x], dim=1))
+        return self.head(x)
+
+
+def unet(width: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    return settle_batch_norms(UNet(width), size=(2, 3, 96, 96))
+
+
 def settle_batch_norms(model: nn.Module, size: tuple[int, ...] = (4, 3, 96, 96), steps: int = 2) -> nn.Module:
     """Set every BatchNorm's running statistics from random images (train mode, cumulative average),
     then eval mode: transformers' random init (BatchNorm weights ~ N(0, 0.02)) shrinks EfficientNet's
