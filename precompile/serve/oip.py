@@ -91,6 +91,16 @@ def mount_oip(app: FastAPI, models: Models) -> None:
         """Run the model on JSON or binary tensors (the binary tensor data extension)."""
         return await models.answer(request, lambda: _infer(models, name, request.path_params.get("version"), request))
 
+    _mount_repository(router, models)
+    app.include_router(router)
+    # Added before the app's BodyLimit (create_app), so it runs inside it: the limit holds here too.
+    app.add_middleware(InferFastPath, models=models)
+
+
+def _mount_repository(router: APIRouter, models: Models) -> None:
+    """The repository extension's routes: the index, and a model's load and unload (each refused
+    unless --allow-repository-control)."""
+
     @router.get("/repository/index")
     @router.post("/repository/index")
     async def repository_index(request: Request) -> Response:
@@ -126,10 +136,6 @@ def mount_oip(app: FastAPI, models: Models) -> None:
             return JSONResponse({})
 
         return await models.answer(request, work)
-
-    app.include_router(router)
-    # Added before the app's BodyLimit (create_app), so it runs inside it: the limit holds here too.
-    app.add_middleware(InferFastPath, models=models)
 
 
 def _index_request(body: bytes) -> dict[str, Any]:
