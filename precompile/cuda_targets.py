@@ -11,7 +11,6 @@ cuobjdump is found) and records it as ``cuda.kernels``; the loader's coverage ru
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import tempfile
 import zipfile
@@ -19,6 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loader.manifest import CudaInfo
+
+from .cuda_toolchain import find_toolchain
 
 _PTX_TARGET = re.compile(r"^\s*\.target\s+([^\n/]+)", re.MULTILINE)
 _ARCH = re.compile(r"\b(sm_\d+[af]?)\b")
@@ -89,10 +90,12 @@ def with_kernel_targets(cuda: CudaInfo | None, packages: list[Path], cuobjdump: 
     A GPU must run every package, so only the targets all of them hold count. When a package's kernels
     could not be read (no cuobjdump for its cubins and fatbins), nothing is recorded and the loader
     falls back to ``loader.cuda.derived_kernels``: what torch's compilers emit for the build GPU.
+    cuobjdump (unless given) is the one beside the nvcc Inductor builds with (CUDACXX, CUDA_HOME, PATH,
+    /usr/local/cuda: cuda_toolchain.py), so a toolkit that is not on PATH is read too.
     """
     if cuda is None:
         return None
-    cuobjdump = cuobjdump or shutil.which("cuobjdump")
+    cuobjdump = cuobjdump or find_toolchain().cuobjdump
     common: frozenset[str] | None = None
     for path in packages:
         read = package_kernels(path, cuobjdump)

@@ -436,3 +436,20 @@ def test_without_cuobjdump_nothing_is_recorded_and_the_loader_derives(tmp_path):
     out = with_kernel_targets(H100_PTX, [a], "/nonexistent/cuobjdump")
     assert out.kernels == () and derived_kernels(out) == ("sm_90a", "compute_90a")
     assert with_kernel_targets(None, [a]) is None
+
+
+def test_the_build_reads_kernels_with_the_cuobjdump_beside_nvcc_off_path(tmp_path, monkeypatch):
+    """A toolkit named by CUDA_HOME but not on PATH (/usr/local/cuda/bin often is not): its cuobjdump
+    reads the kernels, as Inductor finds its nvcc (precompile.cuda_toolchain)."""
+    from precompile.cuda_targets import with_kernel_targets
+
+    kit = tmp_path / "cuda"
+    (kit / "bin").mkdir(parents=True)
+    (kit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (kit / "bin" / "nvcc").chmod(0o755)
+    (kit / "bin" / "cuobjdump").symlink_to(fake_cuobjdump(tmp_path, CUOBJDUMP_HOPPER))
+    monkeypatch.delenv("CUDACXX", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(kit))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    a = fake_package(tmp_path / "a.pt2", {"k1.fatbin": b"fatbin"})
+    assert with_kernel_targets(H100_PTX, [a]).kernels == ("compute_90a", "sm_90a")

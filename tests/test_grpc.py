@@ -276,6 +276,52 @@ def test_refusals_get_grpc_status_codes_and_the_server_serves_on(client, served,
     assert {"invalid_body", "unknown_model", "out_of_range"} <= reasons
 
 
+def refused_both(served, *, model=MODEL, version="", ids_type="INT64", seq=9, outputs=()):
+    """The same infer call over HTTP /v2 (JSON) and gRPC (raw contents), both refused: (HTTP response, RpcError)."""
+    ids, mask = inputs(seed=5, seq=seq)
+    ids = ids.astype(np.int32) if ids_type == "INT32" else ids
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
+    body = {
+        "inputs": [
+            {"name": "ids", "shape": list(ids.shape), "datatype": ids_type, "data": ids.reshape(-1).tolist()},
+            {"name": "mask", "shape": list(mask.shape), "datatype": "BOOL", "data": mask.reshape(-1).tolist()},
+        ],
+        "outputs": [{"name": n} for n in outputs],
+    }
+    http = httpx.post(served[0] + path, json=body if outputs else {"inputs": body["inputs"]}, timeout=DEADLINE)
+    message = triton_pb2.ModelInferRequest(model_name=model, model_version=version)
+    message.inputs.add(name="ids", datatype=ids_type, shape=list(ids.shape))
+    message.inputs.add(name="mask", datatype="BOOL", shape=list(mask.shape))
+    message.raw_input_contents.extend([ids.tobytes(), mask.tobytes()])
+    for n in outputs:
+        message.outputs.add(name=n)
+    with grpc.insecure_channel(served[1]) as channel:
+        with pytest.raises(grpc.RpcError) as rpc:
+            triton_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(message, timeout=DEADLINE)
+    return http, rpc.value
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        {"model": "no-such-model"},
+        {"version": "7"},
+        {"version": "x1"},
+        {"ids_type": "INT32"},
+        {"seq": 60},  # beyond seq's range: the guard's refusal
+        {"outputs": ("logits",)},
+    ],
+    ids=["unknown-model", "unknown-version", "malformed-version", "datatype", "guard", "unknown-output"],
+)
+def test_a_refused_call_reads_the_same_over_http_and_grpc(served, call):
+    """Both protocols reach the model through one front door (serve/calls.py): a call it refuses gets
+    the same words over /v2 and gRPC, and the gRPC status is the HTTP status's code."""
+    http, rpc = refused_both(served, **call)
+    assert http.status_code in (400, 404), http.text
+    assert rpc.details() == http.json()["error"]
+    assert rpc.code() is {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}[http.status_code]
+
+
 def test_non_finite_values_are_refused_raw_and_typed(structured_served, structured_artifact):
     base, address = structured_served
     c = tritonclient_grpc.InferenceServerClient(url=address)

@@ -137,6 +137,22 @@ def test_a_version_in_ascii_digits_is_looked_up_by_its_number(server):
     assert rpc(target, "ModelInfer", classifier_request("1"), pb.ModelInferResponse)[0] == "NOT_FOUND"
 
 
+def test_model_metadata_lists_the_same_versions_over_http_and_grpc(server):
+    """Both protocols describe a model through one front door (serve/calls.py): without a version,
+    every version served (gRPC listed the newest only before they shared it); with one, that one."""
+    _, base, target = server
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelMetadata",
+            request_serializer=pb.ModelMetadataRequest.SerializeToString,
+            response_deserializer=pb.ModelMetadataResponse.FromString,
+        )
+        for version, path in (("", f"/v2/models/{MODEL}"), ("3", f"/v2/models/{MODEL}/versions/3")):
+            described = httpx.get(base + path, timeout=30).json()
+            answer = call(pb.ModelMetadataRequest(name=MODEL, version=version), timeout=30)
+            assert list(answer.versions) == described["versions"] == (["2", "3"] if not version else ["3"])
+
+
 def test_a_server_of_one_artifact_refuses_a_malformed_version_too(classifier_artifact):
     from precompile.serve.app import create_app
     from precompile.serve.config import ServeConfig

@@ -21,7 +21,7 @@ from loader.threads import cpu_allowance
 from precompile.cli import main
 from precompile.serve.app import create_app
 from precompile.serve.config import ServeConfig
-from precompile.serve.grpc_service import GrpcServer, ServedModels
+from precompile.serve.grpc_service import GrpcServer
 from precompile.serve.instances import Instances, InstancesFull, default_batch_count, default_count
 from tests.test_serve import AppClient, served_config  # noqa: F401 (a fixture)
 from tests.test_serve_load import DEADLINE, free_port
@@ -226,7 +226,7 @@ def test_grpc_calls_beyond_the_queue_get_unavailable(classifier_artifact):
     with AppClient(app):
         assert wait_loaded(service)
         server = GrpcServer(
-            ServedModels(app.state.models),
+            app.state.models,
             host="127.0.0.1",
             port=free_port(),
             max_message_bytes=1 << 20,

@@ -38,55 +38,73 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def artifact_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The options of a command that writes an artifact (`build`, `assemble`): where, its release
-    number, and when it expires."""
-    fn = click.option(
-        "--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00."
-    )(fn)
-    fn = click.option(
+def options(*block: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A block of ``click.option`` decorators as one decorator, declared once and reused: the options
+    appear in ``--help`` in the order listed. A ``click.option(...)`` makes a new option each time it
+    decorates a command, so one declaration serves several commands."""
+
+    def decorate(fn: Any) -> Any:
+        for option in reversed(block):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+# The artifact's destination, release number and expiry: the commands that write one (`build`, `assemble`).
+artifact_options = options(
+    click.option(
+        "-o",
+        "--output",
+        type=click.Path(file_okay=False, path_type=Path),
+        help="Artifact folder [default: artifacts/<name>].",
+    ),
+    click.option(
         "--artifact-version",
         "version",
         type=click.IntRange(min=1),
         default=1,
         show_default=True,
         help="Release number of this artifact name; loaders can refuse older ones.",
-    )(fn)
-    return click.option(
-        "-o",
-        "--output",
-        type=click.Path(file_okay=False, path_type=Path),
-        help="Artifact folder [default: artifacts/<name>].",
-    )(fn)
+    ),
+    click.option(
+        "--expires", metavar="ISO-DATETIME", help="Refuse to load after this moment, e.g. 2027-01-01T00:00:00+00:00."
+    ),
+)
 
+# The options of every command that hands an artifact to ``loader.load()`` (`serve`, `export triton`).
+refuse_rollback_option = click.option(
+    "--refuse-rollback",
+    is_flag=True,
+    help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).",
+)
+precision_option = click.option(
+    "--precision",
+    type=click.Choice(["auto", "fp32", "bf16", "int8"]),
+    default="auto",
+    show_default=True,
+    help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.",
+)
+no_verify_option = click.option(
+    "--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load."
+)
 
-def trust_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The options of a command that hands an artifact to ``loader.load()`` (`serve`, `export
-    triton`): the trust policy (signatures, minimum version, the rollback ledger, hash checks) and
-    the precision served. Parameters: trusted_keys, min_version, refuse_rollback, no_verify, precision."""
-    fn = click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact's files at load.")(fn)
-    fn = click.option(
-        "--precision",
-        type=click.Choice(["auto", "fp32", "bf16", "int8"]),
-        default="auto",
-        show_default=True,
-        help="Variants to serve: auto (the bf16/int8 ones the build kept, where this CPU runs them, fp32 elsewhere), or one precision first.",
-    )(fn)
-    fn = click.option(
-        "--refuse-rollback",
-        is_flag=True,
-        help="Refuse a version older than one this host loaded with --refuse-rollback ($PRECOMPILE_STATE ledger).",
-    )(fn)
-    fn = click.option(
-        "--min-version", type=click.IntRange(min=0), help="Refuse artifact versions below N, at every load."
-    )(fn)
-    return click.option(
+# The trust policy (signatures, minimum version, the rollback ledger, hash checks) and the precision
+# served, of a command that loads every artifact once (`export triton`; `serve` says when it loads).
+# Parameters: trusted_keys, min_version, refuse_rollback, precision, no_verify.
+trust_options = options(
+    click.option(
         "--trusted-key",
         "trusted_keys",
         multiple=True,
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
         help="Load only artifacts signed by this public key (repeatable), at every load.",
-    )(fn)
+    ),
+    click.option("--min-version", type=click.IntRange(min=0), help="Refuse artifact versions below N, at every load."),
+    refuse_rollback_option,
+    precision_option,
+    no_verify_option,
+)
 
 
 # What each extra adds that commands import, by import name (pyproject.toml names the distributions;

@@ -8,6 +8,7 @@
     metrics.py  the Prometheus metrics and their registry
     service.py  Service: one served model (Live, batcher, metrics labels) and the exception policy's answer
     repository.py  the models the routes look up by name: a repository of models and versions, or one artifact
+    calls.py    the front door every protocol's model call goes through: find, describe, run, count
     app.py      create_app(): the endpoints, model loading and warm-up, hot swap, traffic recording
     server.py   run(): uvicorn, one process or several workers
     workers.py  the --workers supervisor: spawned workers, each with its own SO_REUSEPORT socket

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -64,19 +64,7 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
         holder = Service(config, live)
         models = OneModel(holder)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        _log_allocator()
-        models.start()
-        try:
-            if config.workers > 1:  # uvicorn listens after this: a worker takes connections once it can serve
-                await run_in_threadpool(models.wait_loaded)
-            with grpc_beside(models, config):  # --grpc-port: the same models over gRPC, in this process
-                yield
-        finally:
-            models.stop()
-
-    app = FastAPI(title="precompile serve", lifespan=lifespan)
+    app = FastAPI(title="precompile serve", lifespan=_lifespan(models, config))
     app.state.service = holder
     app.state.models = models
     mount_oip(app, models)  # first: its infer fast path is middleware that must run inside the body limit
@@ -132,22 +120,42 @@ def create_app(config: ServeConfig, *, live: Live | None = None) -> FastAPI:
 
         return await models.answer(request, work)
 
-    def openapi() -> dict[str, Any]:
-        """The schema, with /predict's request body generated from the served manifest once one is
-        loaded (before that, any predict request)."""
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        manifest = models.openapi_manifest()
-        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-        schemas["PredictRequest"] = request_schema(manifest)
-        schemas["ReloadRequest"] = ReloadRequest.model_json_schema()
-        if manifest is not None:  # a swap keeps the inputs, so the schema holds from now on
-            app.openapi_schema = schema
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, models)  # type: ignore[method-assign]
     return app
+
+
+def _lifespan(models: Models, config: ServeConfig) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's start and stop: load the models (a worker of several waits for its first load before
+    uvicorn listens), serve them over gRPC beside HTTP with --grpc-port, stop them at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _log_allocator()
+        models.start()
+        try:
+            if config.workers > 1:  # uvicorn listens after this: a worker takes connections once it can serve
+                await run_in_threadpool(models.wait_loaded)
+            with grpc_beside(models, config):  # --grpc-port: the same models over gRPC, in this process
+                yield
+        finally:
+            models.stop()
+
+    return lifespan
+
+
+def _openapi(app: FastAPI, models: Models) -> dict[str, Any]:
+    """The schema, with /predict's request body generated from the served manifest once one is
+    loaded (before that, any predict request)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    manifest = models.openapi_manifest()
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    schemas["PredictRequest"] = request_schema(manifest)
+    schemas["ReloadRequest"] = ReloadRequest.model_json_schema()
+    if manifest is not None:  # a swap keeps the inputs, so the schema holds from now on
+        app.openapi_schema = schema
+    return schema
 
 
 WORKER_HEADER = "X-Precompile-Worker"  # which of the --workers processes answered /healthz

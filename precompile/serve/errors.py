@@ -122,6 +122,11 @@ def refusal(e: Exception) -> Refused | None:
     return None
 
 
+def invalid(message: str) -> Refused:
+    """A malformed request (INVALID_ARGUMENT, counted as invalid_body): what each protocol's decoder raises."""
+    return Refused(Code.INVALID_ARGUMENT, message, "invalid_body")
+
+
 def internal(e: Exception) -> Refused:
     """The refusal an unexpected exception is answered with (after its traceback is logged)."""
     text = str(e).strip()

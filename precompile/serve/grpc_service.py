@@ -15,8 +15,10 @@ INTERNAL...) and its message the HTTP one. Messages over --max-body-bytes are re
 by reason in ``precompile_rejections_total`` as HTTP's are.
 
 The messages are generated from predict_v2.proto (scripts/gen-grpc-protos); the handlers are
-registered here. The service talks to the server through ``Models``, a narrow interface (find a
-model by name, its metadata, run a call), so a repository of models can stand behind it.
+registered here. They reach the models through the front door HTTP's /v2 routes use (calls.py: find
+a model by name and version, its metadata, run and count a call), over what those routes look models
+up in (repository.py: the one artifact, or a repository), so both protocols serve the same models the
+same way; only the messages are this module's.
 """
 
 from __future__ import annotations
@@ -25,92 +27,23 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
-from loader.live import Serving
-from loader.manifest import Manifest
-from loader.outputs import flatten, output_names
-
 from ..version import __version__
 from . import predict_v2_pb2 as pb
-from . import repository
-from .codec import ITEM_BYTES, Codec
+from .calls import DATATYPES, Result, Target, describe, find, infer, input_spec
+from .codec import ITEM_BYTES
 from .config import ServeConfig
-from .errors import Code, Refused, internal, refusal
-from .oip import DATATYPES, _metadata, _serving
-from .service import Service, count_refusal
+from .errors import Code, Refused, internal, invalid, refusal
+from .repository import Models
 
 log = logging.getLogger("precompile.serve")
 
 SERVICE = "inference.GRPCInferenceService"
-
-
-Found = tuple[Service, Serving]  # the per-model service a name and version name, and what it serves now
-
-
-class Models(Protocol):
-    """What the gRPC service needs of the server."""
-
-    def ready(self) -> bool:
-        """Whether every served model is loaded and warmed up."""
-
-    def find(self, name: str, version: str) -> Found:
-        """The model ``name`` (``version``: "" for the newest served); Refused (NOT_FOUND, UNAVAILABLE) if none."""
-
-    def metadata(self, found: Found) -> dict[str, Any]:
-        """The Open Inference Protocol's model metadata (name, versions, platform, inputs, outputs)."""
-
-    async def call(self, found: Found, inputs: dict[str, Any]) -> tuple[Any, str, Serving]:
-        """Run one call: outputs, the variant that ran, the version that answered."""
-
-    def count(self, found: Found, serving: Serving, variant: str, inputs: dict[str, Any], start: float) -> None:
-        """Count one ModelInfer that succeeded (started at ``start``, perf_counter) in the server's metrics."""
-
-    def count_refused(self, found: Found | None, refused: Refused, name: str) -> None:
-        """Count one ModelInfer for model ``name`` answered with ``refused`` (``found``: None when no
-        model or version was found)."""
-
-
-class ServedModels:
-    """``Models`` over what the HTTP routes look models up in (repository.py: the one artifact, or a
-    repository's models and versions), so both protocols serve the same models the same way."""
-
-    def __init__(self, models: repository.Models):
-        self.models = models
-
-    def ready(self) -> bool:
-        return self.models.ready
-
-    def find(self, name: str, version: str) -> Found:
-        return _serving(self.models, name, version or None)
-
-    def metadata(self, found: Found) -> dict[str, Any]:
-        return _metadata(found[1], found[0].codec)
-
-    async def call(self, found: Found, inputs: dict[str, Any]) -> tuple[Any, str, Serving]:
-        return await found[0].call(inputs, None)
-
-    def count(self, found: Found, serving: Serving, variant: str, inputs: dict[str, Any], start: float) -> None:
-        found[0].count_served(serving, variant, inputs, start, grpc=True)
-
-    def count_refused(self, found: Found | None, refused: Refused, name: str) -> None:
-        if found is None:
-            try:  # a served model's unknown version counts under the model, as over HTTP
-                found = (self.models.lookup(name, None), None)
-            except Refused:  # an unknown model: counted under model="" (a client cannot grow the label set)
-                labels = tuple("" for _ in self.models.metrics.labels)
-                count_refusal(self.models.metrics, labels, refused.code.value, refused.reason, grpc=True)
-                return
-        found[0].count_refused(refused.code.value, refused.reason, grpc=True)
-
-
-def _invalid(message: str) -> Refused:
-    return Refused(Code.INVALID_ARGUMENT, message, "invalid_body")
 
 
 # --- ModelInfer: messages to tensors and back ------------------------------------------------
@@ -128,61 +61,51 @@ _CONTENTS = {
 }
 
 
-def decode_inputs(request: pb.ModelInferRequest, manifest: Manifest, codec: Codec) -> dict[str, Any]:
+def decode_inputs(request: pb.ModelInferRequest, target: Target) -> dict[str, Any]:
     """The request's arrays (``codec``'s: numpy or torch) by input name; a refusal (INVALID_ARGUMENT)
     says what is wrong. Values meet the codec's rules, as over HTTP; names missing, shapes and ranges
     beyond the datatype are left to the loader's guards."""
+    manifest, codec = target.manifest, target.codec
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
-        raise _invalid(
+        raise invalid(
             f"raw_input_contents holds {len(raw)} entries for {len(request.inputs)} inputs: give one per input, "
             "in order, or none and each input's contents"
         )
-    specs = {spec.name: spec for spec in manifest.inputs}
     inputs: dict[str, Any] = {}
     for i, item in enumerate(request.inputs):
         name = item.name
-        spec = specs.get(name)
-        if spec is None:
-            raise _invalid(f"inputs[{i}]: unknown input {name!r} (inputs: {', '.join(specs)})")
-        if name in inputs:
-            raise _invalid(f"inputs[{i}]: input {name!r} given twice")
-        datatype = DATATYPES[spec.dtype]
-        if item.datatype != datatype:
-            raise _invalid(f"input {name!r}: datatype must be {datatype}, got {item.datatype!r}")
+        spec = input_spec(f"inputs[{i}]", name, item.datatype, manifest, inputs)
         shape = list(item.shape)
         count = codec.shape_count(name, shape)
         if raw:
             size, itemsize = len(raw[i]), ITEM_BYTES[spec.dtype]
             if size != count * itemsize:
-                raise _invalid(
+                raise invalid(
                     f"input {name!r}: raw_input_contents[{i}] holds {size} bytes, not {count} × {itemsize} "
                     f"for shape {shape}"
                 )
             inputs[name], _ = codec.binary(name, raw[i], 0, size, shape, count, spec.dtype)
         else:
+            datatype = item.datatype
             field = _CONTENTS.get(datatype)
             if field is None:
-                raise _invalid(f"input {name!r}: {datatype} values travel in raw_input_contents only")
+                raise invalid(f"input {name!r}: {datatype} values travel in raw_input_contents only")
             values = list(getattr(item.contents, field))
             if len(values) != count:
-                raise _invalid(f"input {name!r}: {len(values)} values in contents.{field} for shape {shape}")
+                raise invalid(f"input {name!r}: {len(values)} values in contents.{field} for shape {shape}")
             inputs[name] = codec.sized(name, values, shape, count, spec.dtype)
     return inputs
 
 
-def encode_outputs(
-    serving: Serving, outputs: Any, request: pb.ModelInferRequest, codec: Codec
-) -> pb.ModelInferResponse:
+def encode_outputs(result: Result, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
     """The response: the requested outputs (all without a list) in ``raw_output_contents``."""
-    named = dict(zip(output_names(serving.model.manifest.output), flatten(outputs)))
-    wanted = [o.name for o in request.outputs] or list(named)
-    unknown = [n for n in wanted if n not in named]
-    if unknown:
-        raise _invalid(f"unknown output {unknown[0]!r} (outputs: {', '.join(named)})")
+    codec = result.codec
+    wanted = [o.name for o in request.outputs] or list(result.outputs)
+    serving = result.serving
     response = pb.ModelInferResponse(model_name=serving.name, model_version=str(serving.version), id=request.id)
-    for name in wanted:
-        t = codec.host(named[name])
+    for name, picked in zip(wanted, result.pick(wanted)):
+        t = codec.host(picked)
         response.outputs.add(name=name, datatype=DATATYPES[codec.dtype_name(t)], shape=list(t.shape))
         response.raw_output_contents.append(codec.little_endian_bytes(t))
     return response
@@ -206,13 +129,13 @@ class Servicer:
     """The handlers of ``inference.GRPCInferenceService``, each an ``async def (request, context)``."""
 
     def __init__(self, models: Models):
-        self.models = models
+        self.models = models  # the HTTP routes' (repository.py), looked up through calls.py as theirs are
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext):
-        return pb.ServerReadyResponse(ready=self.models.ready())
+        return pb.ServerReadyResponse(ready=self.models.ready)
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext):
         return pb.ServerMetadataResponse(name="precompile", version=__version__, extensions=[])
@@ -220,7 +143,7 @@ class Servicer:
     async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext):
         async def work() -> pb.ModelReadyResponse:
             try:
-                self.models.find(request.name, request.version)
+                find(self.models, request.name, request.version or None)
             except Refused as e:
                 if e.code not in (Code.UNAVAILABLE, Code.NOT_FOUND):
                     raise
@@ -231,38 +154,31 @@ class Servicer:
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext):
         async def work() -> pb.ModelMetadataResponse:
-            found = self.models.find(request.name, request.version)
-            described = await _off_loop(self.models.metadata, found)
+            described = await _off_loop(describe, self.models, request.name, request.version or None)
             return metadata_message(described)
 
         return await self._answer("ModelMetadata", context, work)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
-        start = time.perf_counter()
-        found: Found | None = None
-
-        async def work() -> pb.ModelInferResponse:
-            nonlocal found
-            found = self.models.find(request.model_name, request.model_version)
-            manifest, codec = found[1].model.manifest, found[0].codec
+        async def decode(target: Target) -> dict[str, Any]:
             # Raw contents are decoded and outputs encoded on the loop: each is a copy of bytes, cheaper
             # than the two hops to a thread and back, and calls that arrive together reach the batcher
             # together (with the hops, each ran alone). Typed contents walk Python lists: off the loop.
             if request.raw_input_contents or not request.inputs:
-                inputs = decode_inputs(request, manifest, codec)
-            else:
-                inputs = await _off_loop(decode_inputs, request, manifest, codec)
-            outputs, variant, serving = await self.models.call(found, inputs)
-            response = encode_outputs(serving, outputs, request, codec)
-            self.models.count(found, serving, variant, inputs, start)
-            return response
+                return decode_inputs(request, target)
+            return await _off_loop(decode_inputs, request, target)
 
-        return await self._answer(
-            "ModelInfer",
-            context,
-            work,
-            counted=lambda refused: self.models.count_refused(found, refused, request.model_name),
-        )
+        async def encode(result: Result) -> pb.ModelInferResponse:
+            return encode_outputs(result, request)
+
+        def work() -> Awaitable[pb.ModelInferResponse]:
+            version = request.model_version or None
+            return infer(self.models, request.model_name, version, decode=decode, encode=encode, grpc=True)
+
+        def counted(refused: Refused) -> None:
+            self.models.count_refused(request.model_name, refused.code.value, refused.reason, grpc=True)
+
+        return await self._answer("ModelInfer", context, work, counted)
 
     async def _answer(
         self,
@@ -376,13 +292,13 @@ class GrpcServer:
 
 
 @contextlib.contextmanager
-def grpc_beside(models: repository.Models, config: ServeConfig) -> Iterator[GrpcServer | None]:
+def grpc_beside(models: Models, config: ServeConfig) -> Iterator[GrpcServer | None]:
     """The gRPC service for ``models`` on ``config.grpc_port`` while the block runs (nothing when it is off)."""
     if not config.grpc_port:
         yield None
         return
     server = GrpcServer(
-        ServedModels(models),
+        models,
         host=config.host,
         port=config.grpc_port,
         max_message_bytes=models.max_body_bytes,

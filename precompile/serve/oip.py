@@ -18,39 +18,27 @@ all). Errors are ``{"error": "..."}``, statuses from the server's exception poli
 or the guards refuse (NaN or infinity, binary or not, as /predict refuses them), or outputs JSON
 cannot carry; 404 for an unknown model or version, 403 for the repository extension while it is off,
 413 over the body limit, 503 while nothing is loaded or the batch queue is full. The routes look
-models up by name in ``repository.py`` (one artifact, or a repository).
-
-Output names: ``output`` for a single tensor; otherwise the path in forward()'s result, dict keys by
-name and sequence items by index (``output.0``, ``output.1``; ``logits``, ``extra.0``).
+models up by name in ``repository.py`` (one artifact, or a repository), through the front door
+every protocol shares (calls.py: lookup, metadata, the call, output names, counting).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from loader.constants import OIP_DATATYPES
-from loader.live import Serving
 from loader.manifest import Manifest
-from loader.outputs import flatten, output_names
 
 from ..version import __version__
+from .calls import DATATYPES, Result, Target, describe, find, infer, input_spec
 from .codec import BodyError, Codec, codec_for, dumps, json_kind, parse_json, parse_object
-from .errors import Code, Refused
+from .errors import Code, Refused, invalid
 from .repository import Models, Repository
-from .service import Service
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-DATATYPES = OIP_DATATYPES
-
-
-def _invalid(message: str) -> Refused:
-    """A malformed infer request (400, counted as invalid_body)."""
-    return Refused(Code.INVALID_ARGUMENT, message, "invalid_body")
 
 
 def mount_oip(app: FastAPI, models: Models) -> None:
@@ -82,15 +70,9 @@ def mount_oip(app: FastAPI, models: Models) -> None:
         """The model's inputs and outputs: names, datatypes, shapes (-1 for a dynamic dim)."""
 
         version = request.path_params.get("version")
-
-        def metadata() -> JSONResponse:
-            service, serving = _serving(models, name, version)
-            described = _metadata(serving, service.codec)
-            if version is None:
-                described["versions"] = models.versions(name)
-            return JSONResponse(described)
-
-        return await models.answer(request, lambda: run_in_threadpool(metadata))
+        return await models.answer(
+            request, lambda: run_in_threadpool(lambda: JSONResponse(describe(models, name, version)))
+        )
 
     @router.get("/models/{name}/ready")
     @router.get("/models/{name}/versions/{version}/ready")
@@ -98,7 +80,7 @@ def mount_oip(app: FastAPI, models: Models) -> None:
         """The named model is loaded and warmed up."""
 
         async def work() -> Response:
-            _serving(models, name, request.path_params.get("version"))
+            find(models, name, request.path_params.get("version"))
             return JSONResponse({"name": name, "ready": True})
 
         return await models.answer(request, work)
@@ -108,6 +90,16 @@ def mount_oip(app: FastAPI, models: Models) -> None:
     async def infer(name: str, request: Request) -> Response:
         """Run the model on JSON or binary tensors (the binary tensor data extension)."""
         return await models.answer(request, lambda: _infer(models, name, request.path_params.get("version"), request))
+
+    _mount_repository(router, models)
+    app.include_router(router)
+    # Added before the app's BodyLimit (create_app), so it runs inside it: the limit holds here too.
+    app.add_middleware(InferFastPath, models=models)
+
+
+def _mount_repository(router: APIRouter, models: Models) -> None:
+    """The repository extension's routes: the index, and a model's load and unload (each refused
+    unless --allow-repository-control)."""
 
     @router.get("/repository/index")
     @router.post("/repository/index")
@@ -145,10 +137,6 @@ def mount_oip(app: FastAPI, models: Models) -> None:
 
         return await models.answer(request, work)
 
-    app.include_router(router)
-    # Added before the app's BodyLimit (create_app), so it runs inside it: the limit holds here too.
-    app.add_middleware(InferFastPath, models=models)
-
 
 def _index_request(body: bytes) -> dict[str, Any]:
     if not body.strip():
@@ -178,22 +166,25 @@ LOOP_JSON_BYTES = 4 << 10
 
 
 async def _infer(models: Models, name: str, version: str | None, request: Request) -> Response:
-    start = time.perf_counter()
-    service, serving = _serving(models, name, version)
-    body = await request.body()
-    header = request.headers.get(HEADER_LENGTH)
-    manifest, codec = serving.model.manifest, service.codec
-    if _json_length(body, header) <= LOOP_JSON_BYTES:
-        parsed = parse_infer_request(body, header, manifest, codec)
-    else:
-        parsed = await run_in_threadpool(parse_infer_request, body, header, manifest, codec)
-    outputs, variant, serving = await service.call(parsed.inputs, request)
-    if parsed.binary_only:
-        response = infer_response(serving, outputs, parsed, codec)
-    else:
-        response = await run_in_threadpool(infer_response, serving, outputs, parsed, codec)
-    service.count_served(serving, variant, parsed.inputs, start)
-    return response
+    parsed: InferRequest | None = None  # decode's, for encode: which outputs, in binary or not
+
+    async def decode(target: Target) -> dict[str, Any]:
+        nonlocal parsed
+        body = await request.body()
+        header = request.headers.get(HEADER_LENGTH)
+        manifest, codec = target.manifest, target.codec
+        if _json_length(body, header) <= LOOP_JSON_BYTES:
+            parsed = parse_infer_request(body, header, manifest, codec)
+        else:
+            parsed = await run_in_threadpool(parse_infer_request, body, header, manifest, codec)
+        return parsed.inputs
+
+    async def encode(result: Result) -> Response:
+        if parsed.binary_only:
+            return infer_response(result, parsed)
+        return await run_in_threadpool(infer_response, result, parsed)
+
+    return await infer(models, name, version, decode=decode, encode=encode, request=request)
 
 
 def _json_length(body: bytes, header_length: str | None) -> int:
@@ -249,58 +240,6 @@ class InferFastPath:
         await response(scope, receive, send)
 
 
-def _serving(models: Models, name: str, version: str | None) -> tuple[Service, Serving]:
-    service = models.lookup(name, version)
-    serving = service.live.current
-    if serving is None:
-        attempt = service.live.last_attempt
-        if attempt is not None and not attempt.ok and isinstance(models, Repository):
-            raise Refused(Code.UNAVAILABLE, f"model {name!r} is unavailable: {attempt.error}")
-        raise Refused(Code.UNAVAILABLE, "no model is loaded yet")
-    return service, serving
-
-
-# --- metadata --------------------------------------------------------------------------------
-
-
-def _metadata(serving: Serving, codec: Codec) -> dict[str, Any]:
-    m = serving.model.manifest
-    return {
-        "name": serving.name,
-        "versions": [str(serving.version)],
-        "platform": "precompile",
-        "inputs": [
-            {"name": spec.name, "datatype": DATATYPES[spec.dtype], "shape": [_dim_size(m, s) for s in spec.shape]}
-            for spec in m.inputs
-        ],
-        "outputs": _output_metadata(serving, codec),
-    }
-
-
-def _dim_size(m: Manifest, s: str | int | None) -> int:
-    if isinstance(s, int):
-        return s
-    r = m.dims.get(s) if s is not None else None
-    return r.min if r is not None and r.min == r.max else -1
-
-
-def _output_metadata(serving: Serving, codec: Codec) -> list[dict[str, Any]]:
-    """Names, datatypes and shapes of the outputs. The manifest does not record output dtypes, so
-    one variant is run once on valid inputs at its hint shape (not counted in stats)."""
-    model = serving.model
-    m = model.manifest
-    variant = model.variants[0]
-    sample = flatten(model.run_variant(variant.id, *model.example_inputs(variant)))
-    described = []
-    for i, (name, t) in enumerate(zip(output_names(m.output), sample)):
-        axes = m.output_dims[i] if m.output_dims is not None else (None,) * t.ndim
-        shape = [n if d is None else _dim_size(m, d) for d, n in zip(axes, t.shape)]
-        if m.output_dims is None and shape and "batch" in m.dims:
-            shape[0] = -1  # unknown without the profile's outputs; axis 0 commonly follows the batch
-        described.append({"name": name, "datatype": DATATYPES[codec.dtype_name(t)], "shape": shape})
-    return described
-
-
 # --- infer -----------------------------------------------------------------------------------
 
 
@@ -331,34 +270,27 @@ def parse_infer_request(
     binary = b""
     if header_length is not None:
         if not _ascii_digits(header_length):
-            raise _invalid(f"{HEADER_LENGTH}: {header_length[:40]!r} is not a byte count (ASCII digits)")
+            raise invalid(f"{HEADER_LENGTH}: {header_length[:40]!r} is not a byte count (ASCII digits)")
         n = int(header_length)
         if n > len(body):
-            raise _invalid(f"{HEADER_LENGTH}: {n} is not within the body's {len(body)} bytes")
+            raise invalid(f"{HEADER_LENGTH}: {n} is not within the body's {len(body)} bytes")
         body, binary = body[:n], body[n:]
     expected = 'expected a JSON object {"inputs": [{"name", "shape", "datatype", "data"}, ...]}'
     request = parse_object(body, expected)
     if not isinstance(request.get("inputs"), list):
-        raise _invalid(expected)
+        raise invalid(expected)
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
-        raise _invalid(f"id: expected a string, got {json_kind(request_id)}")
+        raise invalid(f"id: expected a string, got {json_kind(request_id)}")
     binary_all = _flag("parameters", _parameters("parameters", request), "binary_data_output", False)
-    specs = {spec.name: spec for spec in manifest.inputs}
     inputs: dict[str, Any] = {}
     offset = 0
     for i, item in enumerate(request["inputs"]):
         where = f"inputs[{i}]"
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise _invalid(f"{where}: expected an object with a name, shape, datatype and data")
+            raise invalid(f"{where}: expected an object with a name, shape, datatype and data")
         name = item["name"]
-        spec = specs.get(name)
-        if spec is None:
-            raise _invalid(f"{where}: unknown input {name!r} (inputs: {', '.join(specs)})")
-        if name in inputs:
-            raise _invalid(f"{where}: input {name!r} given twice")
-        if item.get("datatype") != DATATYPES[spec.dtype]:
-            raise _invalid(f"input {name!r}: datatype must be {DATATYPES[spec.dtype]}, got {item.get('datatype')!r}")
+        spec = input_spec(where, name, item.get("datatype"), manifest, inputs)
         shape = item.get("shape")
         count = codec.shape_count(name, shape)
         size = _parameters(f"{where}.parameters", item).get("binary_data_size")
@@ -367,7 +299,7 @@ def parse_infer_request(
         else:
             inputs[name] = codec.sized(name, item.get("data"), shape, count, spec.dtype)
     if offset != len(binary):
-        raise _invalid(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
+        raise invalid(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
     return InferRequest(inputs, request_id, _wanted_outputs(request, binary_all), binary_all)
 
 
@@ -377,14 +309,14 @@ def _parameters(where: str, holder: dict[str, Any]) -> dict[str, Any]:
     if parameters is None:
         return {}
     if not isinstance(parameters, dict):
-        raise _invalid(f"{where}: expected an object, got {json_kind(parameters)}")
+        raise invalid(f"{where}: expected an object, got {json_kind(parameters)}")
     return parameters
 
 
 def _flag(where: str, parameters: dict[str, Any], key: str, default: bool) -> bool:
     value = parameters.get(key, default)
     if not isinstance(value, bool):
-        raise _invalid(f"{where}.{key}: expected true or false, got {json_kind(value)}")
+        raise invalid(f"{where}.{key}: expected true or false, got {json_kind(value)}")
     return value
 
 
@@ -396,7 +328,7 @@ def _wanted_outputs(request: dict[str, Any], binary_all: bool) -> dict[str, bool
     if not isinstance(outputs, list) or not all(
         isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
     ):
-        raise _invalid('outputs must be a list of {"name": ..., "parameters": {...}}')
+        raise invalid('outputs must be a list of {"name": ..., "parameters": {...}}')
     return {
         o["name"]: _flag(
             f"outputs[{i}].parameters", _parameters(f"outputs[{i}].parameters", o), "binary_data", binary_all
@@ -405,18 +337,13 @@ def _wanted_outputs(request: dict[str, Any], binary_all: bool) -> dict[str, bool
     }
 
 
-def infer_response(serving: Serving, outputs: Any, request: InferRequest, codec: Codec | None = None) -> Response:
+def infer_response(result: Result, request: InferRequest) -> Response:
     """The infer response: JSON, or a JSON header followed by the binary outputs."""
-    codec = codec if codec is not None else codec_for("torch")
-    spec = serving.model.manifest.output
-    named = dict(zip(output_names(spec), flatten(outputs)))
-    wanted = request.wanted if request.wanted is not None else {n: request.binary_all for n in named}
-    unknown = [n for n in wanted if n not in named]
-    if unknown:
-        raise _invalid(f"unknown output {unknown[0]!r} (outputs: {', '.join(named)})")
+    codec = result.codec
+    wanted = request.wanted if request.wanted is not None else dict.fromkeys(result.outputs, request.binary_all)
     described, chunks = [], []
-    for name, binary in wanted.items():
-        t = codec.host(named[name])
+    for (name, binary), picked in zip(wanted.items(), result.pick(wanted)):
+        t = codec.host(picked)
         entry: dict[str, Any] = {"name": name, "datatype": DATATYPES[codec.dtype_name(t)], "shape": list(t.shape)}
         if binary:
             raw = codec.little_endian_bytes(t)
@@ -425,11 +352,12 @@ def infer_response(serving: Serving, outputs: Any, request: InferRequest, codec:
         else:
             entry["data"] = t.reshape(-1).tolist()
         described.append(entry)
-    result: dict[str, Any] = {"model_name": serving.name, "model_version": str(serving.version), "outputs": described}
+    serving = result.serving
+    answer: dict[str, Any] = {"model_name": serving.name, "model_version": str(serving.version), "outputs": described}
     if request.id is not None:
-        result["id"] = request.id
+        answer["id"] = request.id
     try:
-        header = dumps(result)
+        header = dumps(answer)
     except ValueError:
         raise Refused(
             Code.INVALID_ARGUMENT,

@@ -448,24 +448,19 @@ class Repository:
         return await answer(request, work, self.refuse)
 
     def refuse(self, scope: dict[str, Any], refused: Refused) -> JSONResponse:
-        """A refusal, counted under the model the path names (when it is one served; else ``""``)."""
-        label = self._label(scope["path"])
-        return refusal_response(
-            scope, refused, lambda status, reason: count_refusal(self.metrics, (label,), status, reason)
-        )
+        """A refusal, counted under the model the path names."""
+        name = _path_model(scope["path"])
+        return refusal_response(scope, refused, lambda status, reason: self.count_refused(name, status, reason))
 
-    def _label(self, path: str) -> str:
-        parts = path.split("/")
-        if path.startswith("/v2/models/") and len(parts) > 3:
-            name: str | None = parts[3]
-        elif path.startswith("/predict/"):
-            name = parts[2]
-        else:
-            name = None
+    def count_refused(self, name: str | None, code: int | str, reason: str | None, *, grpc: bool = False) -> None:
+        """Count one prediction request answered with ``code`` (an HTTP status; gRPC: a status code's
+        name) under model ``name`` (None: the only one) when it is one served; else under ``""``, so
+        a client cannot grow the label set."""
         with self._lock:
             if name is None and len(self._models) == 1:
                 name = next(iter(self._models))
-            return name if name is not None and name in self._models else ""
+            label = name if name is not None and name in self._models else ""
+        count_refusal(self.metrics, (label,), code, reason, grpc=grpc)
 
     def _describe_all(self) -> list[dict]:
         with self._lock:
@@ -479,6 +474,16 @@ class Repository:
                 Code.PERMISSION_DENIED, "repository control is off: start the server with --allow-repository-control"
             )
         return self
+
+
+def _path_model(path: str) -> str | None:
+    """The model a route's path names (/v2/models/{name}/..., /predict/{name}/...); None if none."""
+    parts = path.split("/")
+    if path.startswith("/v2/models/") and len(parts) > 3:
+        return parts[3]
+    if path.startswith("/predict/"):
+        return parts[2]
+    return None
 
 
 def _state(service: Service) -> dict[str, str]:
@@ -528,6 +533,10 @@ class OneModel:
                 "unknown_model",
             )
         return self.service
+
+    def count_refused(self, name: str | None, code: int | str, reason: str | None, *, grpc: bool = False) -> None:
+        """Count one prediction request answered with ``code``, whichever model it named."""
+        self.service.count_refused(code, reason, grpc=grpc)
 
     def versions(self, name: str) -> list[str]:
         serving = self.service.live.current
