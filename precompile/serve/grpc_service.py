@@ -32,9 +32,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
+from loader.serving.live import Serving
 
 from ..version import __version__
 from . import predict_v2_pb2 as pb

@@ -34,9 +34,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from loader.constants import OIP_DATATYPES
-from loader.live import Serving
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
+from loader.serving.live import Serving
 
 from ..version import __version__
 from .codec import BodyError, Codec, codec_for, dumps, json_kind, parse_json, parse_object

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from loader.batch_tensors import grow
 from loader.manifest import Batching
 from loader.model import TORCH_OPS
 from loader.outputs import flatten
+from loader.serving.batch_tensors import grow
 
 from ..compare import compare_tensors
 from ..errors import ProfileError

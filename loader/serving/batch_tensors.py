@@ -1,6 +1,6 @@
 """The array work of a batch: join the calls' inputs into one batch, split its outputs back per
 call. Pure functions of arrays and a ``BatchPlan``; ``loader.Batcher`` calls them from its worker
-thread (the rules are in the module docstring of ``loader.batch``). The arrays are the model's own
+thread (the rules are in the module docstring of ``loader.serving.batch``). The arrays are the model's own
 kind (torch tensors, numpy arrays), worked on through its ``ArrayOps`` (``model.ops``), so this
 module imports neither torch nor numpy.
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..manifest import OutputSpec
+from ..outputs import flatten, unflatten
+from ..policy import ArrayOps
 from .batch_plan import BatchPlan
-from .manifest import OutputSpec
-from .outputs import flatten, unflatten
-from .policy import ArrayOps
 
 
 class NotBatched(Exception):

@@ -1,7 +1,7 @@
 """The batch plan: which calls to one model may run together, and at what shape. Pure functions of
 the manifest, the variants and a call's sizes, with no thread and no tensor work, so that a test can
 check every decision ``loader.Batcher`` makes without running one (the rules are in the module
-docstring of ``loader.batch``).
+docstring of ``loader.serving.batch``).
 
     plan = batch_plan(model)                     # once per model version
     spot = place(plan, model, tensors, sizes, variant, max_batch=8)  # per call: batch-mates, limits
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .dispatch import ServedModel
-    from .manifest import Variant
+    from ..dispatch import ServedModel
+    from ..manifest import Variant
 
 BATCH_DIM = "batch"  # the batch dim of artifacts without a ``batching`` section
 PadTimes = dict[tuple, dict[int, tuple[float, float]]]  # other dims' sizes -> batch size -> (static_ms, dynamic_ms)
@@ -61,7 +61,7 @@ class Placement:
 
 
 def batch_plan(model: ServedModel) -> BatchPlan:
-    """Find ``model``'s batch dim, padded dims and static sizes (see ``loader.batch``)."""
+    """Find ``model``'s batch dim, padded dims and static sizes (see ``loader.serving.batch``)."""
     m = model.manifest
     section = m.batching
     if section is not None:
@@ -202,7 +202,7 @@ def aim(plan: BatchPlan, key: tuple, rows: int, max_rows: int, reach: tuple = ()
     """The shape to run ``rows`` real rows at, whose other dims are ``key`` (padded dims already at the
     batch's largest): ``(key, rows)``, or a static variant's larger shape, up to ``max_rows`` and
     within ``reach`` (per padded dim, the range the batch was gathered in), where padding to it was
-    measured to pay (see ``loader.batch``)."""
+    measured to pay (see ``loader.serving.batch``)."""
     if rows in plan.statics.get(key, ()):
         return key, rows
     at = [plan.others.index(d) for d in plan.pad_dims]
@@ -223,7 +223,7 @@ def aim(plan: BatchPlan, key: tuple, rows: int, max_rows: int, reach: tuple = ()
 
 def padded_size(plan: BatchPlan, key: tuple, rows: int, max_rows: int) -> int:
     """The batch size to run ``rows`` real rows at: ``rows``, or a larger static size up to
-    ``max_rows`` where padding to it was measured to pay (see ``loader.batch``)."""
+    ``max_rows`` where padding to it was measured to pay (see ``loader.serving.batch``)."""
     return aim(plan, key, rows, max_rows)[1]
 
 
