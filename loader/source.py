@@ -59,9 +59,11 @@ class Opened:
 
     def weights(self) -> MappedWeights:
         """The weights to serve: the private copy read while verifying a folder, or a map of the
-        cache entry's read-only file."""
+        cache entry's read-only file; checked against the constants the manifest lists."""
         path = str(self.root / C.WEIGHTS_FILE)
-        return MappedWeights(path, buffer=self._weights if self._weights is not None else map_file(path))
+        weights = MappedWeights(path, buffer=self._weights if self._weights is not None else map_file(path))
+        weights.check(self.manifest.constants)
+        return weights
 
     def loaded(self) -> None:
         """Call once the model is loaded: records its version when refuse_rollback asked for it
