@@ -64,7 +64,7 @@ SERVER_DEADLINE = 300.0  # seconds a server may take to answer its first call
 def read_manifest(artifact: Path):
     """The manifest of an artifact folder or of a pack (``precompile pack``: its head)."""
     from loader.artifact import read_manifest as read_folder
-    from loader.pack import read_head
+    from loader.stores.pack import read_head
 
     return read_head(artifact).manifest if Path(artifact).is_file() else read_folder(artifact)
 

@@ -179,7 +179,7 @@ def median_of(repeats: int, run: Callable[[int], float]) -> float:
 
 def store_rows(work: Path, mb: int, repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transfer, cold start) against `rclone serve s3` on loopback."""
-    from loader import remote
+    from loader.stores import remote
     from tests.test_remote import BUCKET, S3Server
 
     packed = heavy_pack(work, mb)
@@ -229,7 +229,7 @@ def store_credentials(work: Path) -> dict[str, str]:
 def transfer_rows(work: Path, packed: Path, size_mb: float, repeats: int) -> dict[str, Any]:
     """The pack copied, put and got raw, pushed and pulled: the median seconds and MB/s of each.
     Leaves ``push-0`` in the store, which the cold-start rows load."""
-    from loader import remote
+    from loader.stores import remote
     from precompile.ship.remote import pull, push
     from tests.test_remote import BUCKET
 

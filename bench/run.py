@@ -91,9 +91,9 @@ def build_artifact(profile: Path, out: Path, log: Log) -> dict[str, Any]:
 
 
 def packed_size(folder: Path) -> dict[str, Any]:
-    """The artifact as one file (``loader.pack``: tar + zstandard, what ``precompile pack`` writes)."""
+    """The artifact as one file (``loader.stores.pack``: tar + zstandard, what ``precompile pack`` writes)."""
     try:
-        from loader.pack import write_pack
+        from loader.stores.pack import write_pack
     except ImportError:
         return {"packed_bytes": None}
     target = folder.with_suffix(".tar.zst")

@@ -39,21 +39,24 @@ _os.environ.update(_onednn_cache_env())
 
 from .errors import ArtifactError, GuardError, IncompatibleArtifactError, LoaderError
 from .manifest import Manifest, parse_manifest
-from .traffic import TrafficFileError, TrafficRecorder
 from .trust import UntrustedArtifactError
 
 __version__ = "0.1.0"
 
-# name -> the module that defines it, imported on first use (PEP 562).
+# name -> the module that defines it, imported on first use (PEP 562). The serving names come from
+# loader.serving, which the core never imports (pyproject's import contract): a core vendored without
+# it imports and loads as before.
 _LAZY = {
-    "Batcher": "batch",
-    "BatcherClosed": "batch",
-    "BatcherFull": "batch",
+    "Batcher": "serving.batch",
+    "BatcherClosed": "serving.batch",
+    "BatcherFull": "serving.batch",
     "CompiledModel": "model",
     "load": "model",
-    "Live": "live",
-    "Serving": "live",
-    "SwapError": "live",
+    "Live": "serving.live",
+    "Serving": "serving.live",
+    "SwapError": "serving.live",
+    "TrafficFileError": "serving.traffic",
+    "TrafficRecorder": "serving.traffic",
     "NativeModel": "native",
     "load_native": "native",
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from collections.abc import Collection
 from pathlib import Path
@@ -12,6 +13,14 @@ from pathlib import Path
 from . import constants as C
 from .errors import ArtifactError
 from .manifest import Manifest, parse_manifest
+
+_URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def is_url(path: object) -> bool:
+    """True for ``scheme://...`` strings (fsspec URLs, ``oci://`` references); paths on disk are never
+    URLs. Here, not in ``loader.stores.remote``, so that the core tells a URL from a path without it."""
+    return isinstance(path, str) and bool(_URL_RE.match(path))
 
 
 def read_manifest(root: str | os.PathLike) -> Manifest:

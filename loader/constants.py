@@ -89,7 +89,7 @@ MAX_SIGNATURE_BYTES = 64 * 1024
 # Decompressed, the frames are one plain tar stream (`zstd -dc model.tar.zst | tar t` lists it).
 # The head is a frame of its own so that `precompile sign` can re-sign a pack by rewriting only the
 # head. Every member is a regular file (type '0') with mode 0644, uid/gid 0 and mtime 0, so packing
-# the same artifact twice gives the same bytes. Readers refuse anything else: see loader.pack.
+# the same artifact twice gives the same bytes. Readers refuse anything else: see loader.stores.pack.
 PACK_SUFFIX = ".tar.zst"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 TAR_BLOCK = 512
@@ -120,7 +120,7 @@ CACHEDIR_TAG_TEXT = (
 STATE_ENV = "PRECOMPILE_STATE"
 VERSIONS_DIR = "versions"
 
-# --- OCI artifacts: `precompile push ART oci://REGISTRY/REPO:TAG`, load("oci://...") (loader.oci) ------
+# --- OCI artifacts: `precompile push ART oci://REGISTRY/REPO:TAG`, load("oci://...") (loader.stores.oci) ------
 # One OCI image manifest per version, of artifactType OCI_ARTIFACT_TYPE: the empty config, then one
 # layer per file of the artifact folder (manifest.json first, signature.json beside it when signed, then
 # the files the manifest lists, sorted), each a plain blob named by its org.opencontainers.image.title

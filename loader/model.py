@@ -28,13 +28,13 @@ from .host import host_facts, native_cpu_problem
 from .isa import AUTO, IsaChoice, choose_isa
 from .manifest import Manifest, Variant
 from .native.containers import NeedsTorch
-from .opening import DEFAULT_OPEN, OnDemand, check_open_mode, open_variants, start_background
+from .opening import DEFAULT_OPEN, LoadOptions, OnDemand, open_model, open_variants
 from .pages import ConstantsRelease, mapped_libraries
 from .policy import ArrayOps
-from .precision import REQUESTS, Choice, choose
-from .source import Opened, open_artifact
+from .precision import Choice, choose
+from .source import Opened
 from .threads import concurrent_runners, fit_threads
-from .warmup import DEFAULT_WARMUP_SHAPES, check_warmup_shapes
+from .warmup import DEFAULT_WARMUP_SHAPES
 from .weights import MappedWeights
 
 
@@ -185,34 +185,19 @@ def load(
 
     Over 80 lines on purpose: most of it is this docstring, the reference of every option.
     """
-    if precision not in REQUESTS:
-        raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
-    check_open_mode(open)
-    check_warmup_shapes(warmup_shapes)
+    options = LoadOptions.of(locals())  # checked here, before anything is read
     fit_threads(threads)
-    opened = open_artifact(
-        path,
-        device=device,
-        verify=verify,
-        trusted_keys=trusted_keys,
-        min_version=min_version,
-        refuse_rollback=refuse_rollback,
-        cache_dir=cache_dir,
-        state_dir=state_dir,
-        max_bytes=max_bytes,
-        defer_packages=True,
-    )
-    with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
+
+    def build(opened: Opened) -> tuple[CompiledModel, list[OnDemand]]:
         root, manifest, device = opened.root, opened.manifest, opened.device
         weights = opened.weights()
-        weights.check(manifest.constants)
         kind = parse_device(device)[0]
         isa = _choose_isa(manifest, kind, cpu_isa, str(root))
         mine = [v for v in manifest.variants if v.device == kind and isa.serves(v)]
         choice = choose(mine, precision, host_cpu_features(), str(root))
-        if kind == "cuda":
-            open = "eager"  # device copies of the weights and CUDA graphs are made for all variants at once
-        runners, device_weights, pending = _open_runners(opened, weights, device, choice, isa, open)
+        # CUDA: device copies of the weights and CUDA graphs are made for all variants at once.
+        mode = "eager" if kind == "cuda" else open
+        runners, device_weights, pending = _open_runners(opened, weights, device, choice, isa, mode)
         model = CompiledModel(
             root,
             manifest,
@@ -225,16 +210,9 @@ def load(
             precision=choice,
             isa=isa,
         )
-        model.warmup_shapes = warmup_shapes
-        if warmup:
-            try:
-                model.warmup()
-            except RuntimeError as e:
-                raise ArtifactError(f"{root}: the warm-up call failed: {first_line(e)}") from e
-        opened.loaded()
-    if open == "background":
-        model.opening = start_background(pending, model.warm_variant, str(root))
-    return model
+        return model, pending
+
+    return open_model(path, build, options, device=device, warmup_errors=(RuntimeError,))
 
 
 def _choose_isa(manifest: Manifest, kind: str, requested: str, source: str) -> IsaChoice:

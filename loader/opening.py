@@ -1,5 +1,7 @@
-"""When a loaded artifact's variants are opened: all before ``load()`` returns, or the first one then
-and the others on demand (``load(..., open=...)``, both loaders).
+"""The one opening path of both loaders (``open_model``: the checks of their options, the artifact
+verified by ``loader.source``, the model built, warmed and recorded), and when a loaded artifact's
+variants are opened: all before ``load()`` returns, or the first one then and the others on demand
+(``load(..., open=...)``).
 
 Opening a variant is most of a load's cost (its package read and, for a folder, hashed as it is read;
 its library mapped; a frozen variant's constants copied out of it; a warm-up call), and a call needs
@@ -22,22 +24,106 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
-from .errors import ArtifactError, first_line
+from .errors import ArtifactError, IncompatibleArtifactError, first_line
+from .host import HostFacts
+from .precision import REQUESTS
+from .source import Opened, open_artifact
 from .threads import lower_priority
+from .warmup import check_warmup_shapes
 
 OPEN_MODES = ("eager", "background", "lazy")
 DEFAULT_OPEN = "background"
 
 log = logging.getLogger("loader")
+Model = TypeVar("Model")  # a loader.dispatch.ServedModel: CompiledModel or NativeModel
 
 
 def check_open_mode(mode: str) -> None:
     if mode not in OPEN_MODES:
         raise ValueError(f"open={mode!r}: expected one of {', '.join(OPEN_MODES)}")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The options ``loader.load`` and ``loader.load_native`` both take (see ``loader.load``), checked
+    when made, before anything is read. ``LoadOptions.of(locals())``, first thing in a loader, takes
+    them by name from its arguments."""
+
+    verify: bool
+    trusted_keys: Iterable[Any] | None
+    min_version: int | None
+    refuse_rollback: bool
+    cache_dir: str | os.PathLike | None
+    state_dir: str | os.PathLike | None
+    max_bytes: int | None
+    precision: str
+    warmup: bool
+    warmup_shapes: str
+    open: str
+
+    def __post_init__(self) -> None:
+        if self.precision not in REQUESTS:
+            raise ValueError(f"precision={self.precision!r}: expected one of {', '.join(REQUESTS)}")
+        check_open_mode(self.open)
+        check_warmup_shapes(self.warmup_shapes)
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> LoadOptions:
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+
+
+def open_model(
+    path: str | os.PathLike,
+    build: Callable[[Opened], tuple[Model, list[OnDemand]]],
+    options: LoadOptions,
+    *,
+    device: str | None,
+    host: HostFacts | None = None,
+    refused_hint: str | None = None,
+    warmup_errors: tuple[type[BaseException], ...] = (),
+) -> Model:
+    """What ``loader.load`` and ``loader.load_native`` do with their ``options``: the artifact at
+    ``path`` verified (``loader.source.open_artifact``, each variant's package hashed as it is
+    opened), ``build(opened)`` for the model and its variants still to open, a warm-up (one of
+    ``warmup_errors`` it raises becomes an ArtifactError naming the artifact), the version recorded
+    for ``refuse_rollback``, then the other variants opened in the background when ``open`` says so.
+    ``refused_hint``: said after an IncompatibleArtifactError of the checks before anything is opened."""
+    try:
+        opened = open_artifact(
+            path,
+            device=device,
+            verify=options.verify,
+            trusted_keys=options.trusted_keys,
+            min_version=options.min_version,
+            refuse_rollback=options.refuse_rollback,
+            cache_dir=options.cache_dir,
+            state_dir=options.state_dir,
+            max_bytes=options.max_bytes,
+            host=host,
+            defer_packages=True,
+        )
+    except IncompatibleArtifactError as e:
+        if refused_hint is None:
+            raise
+        raise IncompatibleArtifactError(f"{e}\n  ({refused_hint})") from None
+    with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
+        model, pending = build(opened)
+        model.warmup_shapes = options.warmup_shapes
+        if options.warmup:
+            try:
+                model.warmup()
+            except warmup_errors as e:
+                raise ArtifactError(f"{opened.root}: the warm-up call failed: {first_line(e)}") from e
+        opened.loaded()
+    if options.open == "background":
+        model.opening = start_background(pending, model.warm_variant, str(opened.root))
+    return model
 
 
 class OnDemand:

@@ -10,7 +10,7 @@ themselves only through the output axes the profile declared (``output_dims`` in
 
 The decisions are shape arithmetic; the few array operations they need (``ArrayOps``) come from the
 caller, so the torch loader and the torch-free one (numpy arrays) serve a policy alike (and batch
-alike: ``loader.batch_tensors`` joins and cuts with the same operations).
+alike: ``loader.serving.batch_tensors`` joins and cuts with the same operations).
 """
 
 from __future__ import annotations

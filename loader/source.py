@@ -24,17 +24,19 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from . import constants as C
-from . import oci, remote
-from .artifact import manifest_digest, read_manifest_with_bytes, read_signature, verify_files
-from .cache import Cache
+from .artifact import is_url, manifest_digest, read_manifest_with_bytes, read_signature, verify_files
 from .errors import LoaderError
 from .host import HostFacts, check_compatible
 from .manifest import Manifest, Variant
-from .pack import PackHead, read_head
 from .trust import KeySource, LedgerHold, VersionLedger, check_expiry, check_min_version, check_signature, public_keys
 from .weights import MappedWeights, map_file, read_private
+
+if TYPE_CHECKING:
+    from .stores.opener import PackHead
 
 
 @dataclass
@@ -57,9 +59,11 @@ class Opened:
 
     def weights(self) -> MappedWeights:
         """The weights to serve: the private copy read while verifying a folder, or a map of the
-        cache entry's read-only file."""
+        cache entry's read-only file; checked against the constants the manifest lists."""
         path = str(self.root / C.WEIGHTS_FILE)
-        return MappedWeights(path, buffer=self._weights if self._weights is not None else map_file(path))
+        weights = MappedWeights(path, buffer=self._weights if self._weights is not None else map_file(path))
+        weights.check(self.manifest.constants)
+        return weights
 
     def loaded(self) -> None:
         """Call once the model is loaded: records its version when refuse_rollback asked for it
@@ -94,16 +98,17 @@ def open_artifact(
     defer_packages: bool = False,
 ) -> Opened:
     """See ``loader.load``; returns the folder to open and what was checked. A URL goes through
-    ``loader.remote`` (an ``oci://`` reference through ``loader.oci``), which judges the pack's head as soon as it arrives (``admit``: the same checks
-    as below, but the rollback ledger's) and comes back here with the downloaded pack or its cache
-    entry's head. ``host``: the facts the compatibility check compares with (default:
+    ``loader.stores.remote`` (an ``oci://`` reference through ``loader.stores.oci``), which judges the
+    pack's head as soon as it arrives (``admit``: the same checks as below, but the rollback ledger's)
+    and comes back here with the downloaded pack or its cache entry's head; a pack is read and
+    unpacked by ``loader.stores`` too (``_stores``). ``host``: the facts the compatibility check compares with (default:
     ``host.host_facts()``; the torch-free loader gathers its own). ``defer_packages``: a folder's
     variant packages are only size-checked here, each to be hashed when (and if) it is opened
     (``Opened.package_sha256``), so a load hashes only what it runs, when it runs it."""
     if trusted_keys is not None and not verify:
         raise LoaderError("verify=False skips the sha256 checks a signature relies on; drop it or trusted_keys")
     keys = public_keys(trusted_keys) if trusted_keys is not None else None
-    if remote.is_url(path):
+    if is_url(path):
         options = dict(device=device, verify=verify, trusted_keys=trusted_keys, min_version=min_version)
         options.update(refuse_rollback=refuse_rollback, cache_dir=cache_dir, state_dir=state_dir, host=host)
         options.update(defer_packages=defer_packages)
@@ -112,18 +117,18 @@ def open_artifact(
             _admit(head.manifest, head.manifest_bytes, head.signature, keys, min_version, str(head.path))
             check_compatible(head.manifest, device or head.manifest.target.device, host)
 
-        opener = oci.open_reference if oci.is_reference(path) else remote.open_url
-        return opener(
+        return _stores().open_url(
             str(path),
             lambda local: open_artifact(local, **options),
             admit=admit,
             max_bytes=max_bytes,
             cache_dir=cache_dir,
         )
-    head = path if isinstance(path, PackHead) else None  # a remote pack's cache entry (loader.remote)
+    stored = not isinstance(path, (str, os.PathLike)) and isinstance(path, _stores().PackHead)
+    head = path if stored else None  # a remote pack's cache entry (loader.stores.remote)
     path = head.path if head is not None else Path(path)
     if head is None and path.is_file():
-        head = read_head(path)
+        head = _stores().read_head(path)
     if head is not None:
         manifest, manifest_bytes, signature, digest = head.manifest, head.manifest_bytes, head.signature, head.digest
     else:
@@ -138,7 +143,7 @@ def open_artifact(
         check_compatible(manifest, device, host)
         weights, unhashed = None, frozenset()
         if head is not None:
-            root, unpacked = Cache(cache_dir).open(head, verify=verify)
+            root, unpacked = _stores().open_cached(head, cache_dir=cache_dir, verify=verify)
         else:
             if defer_packages and verify:
                 unhashed = frozenset(v.file for v in manifest.variants)
@@ -168,3 +173,12 @@ def _admit(
     if min_version is not None:
         check_min_version(manifest, min_version, source)
     return signed_by
+
+
+def _stores() -> ModuleType:
+    """``loader.stores.opener``: packs, their cache, URLs. The core's one import of the stores, made
+    when a path is not an artifact folder (pyproject's import contract names it), so that a service
+    vendoring the core without ``loader/stores/`` still opens folders."""
+    from .stores import opener
+
+    return opener

@@ -9,7 +9,7 @@ changes the weights under it (``MAP_PRIVATE`` only isolates pages already writte
   which operators may overwrite while they are served.
 - ``map_file`` maps a file, so processes share one copy in the page cache and loading reads nothing
   up front. Used only for cache entries: read-only files owned by this user, which nothing rewrites
-  in place (``loader.cache`` refuses a cache others can write).
+  in place (``loader.stores.cache`` refuses a cache others can write).
 
 The safetensors package is not used for reading because its tensors are copies; the format is simple
 enough to validate here field by field (https://github.com/huggingface/safetensors#format). The

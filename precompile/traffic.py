@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loader.traffic import TrafficFileError, read_histogram
+from loader.serving.traffic import TrafficFileError, read_histogram
 
 from .errors import ProfileError
 from .profile import LoadedProfile

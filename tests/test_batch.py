@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import loader
-from loader.batch_plan import BatchPlan, batch_plan, padded_size
+from loader.serving.batch_plan import BatchPlan, batch_plan, padded_size
 
 WAIT = 30.0  # seconds any result may take
 

@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader.batch_plan import BatchPlan, aim, batch_plan
 from loader.errors import ArtifactError
 from loader.manifest import parse_manifest
+from loader.serving.batch_plan import BatchPlan, aim, batch_plan
 from precompile.cli import main
 from precompile.errors import ProfileError
 from precompile.pipeline import build

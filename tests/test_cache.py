@@ -14,12 +14,12 @@ from click.testing import CliRunner
 
 import loader
 import loader.artifact
-import loader.cache
-import loader.pack
+import loader.stores.cache
+import loader.stores.pack
 from loader import constants as C
-from loader.cache import Cache, default_root
-from loader.pack import read_head
 from loader.source import open_artifact
+from loader.stores.cache import Cache, default_root
+from loader.stores.pack import read_head
 from precompile.cli import main
 
 
@@ -45,7 +45,7 @@ def test_second_load_reads_the_cache_without_hashing(classifier_pack, tmp_path, 
     hashed = []
     real = loader.artifact.sha256_file
     monkeypatch.setattr(loader.artifact, "sha256_file", lambda p: hashed.append(p) or real(p))
-    monkeypatch.setattr(loader.cache, "unpack", lambda *a: pytest.fail("unpacked twice"))
+    monkeypatch.setattr(loader.stores.cache, "unpack", lambda *a: pytest.fail("unpacked twice"))
     model = loader.load(classifier_pack, cache_dir=root)
     assert hashed == []
     assert model.path.parent == root / "artifacts"
@@ -118,13 +118,13 @@ def _open_in_child(pack: str, root: str, barrier, results) -> None:
 
 
 def test_processes_loading_the_same_pack_at_once_unpack_it_once(classifier_pack, tmp_path, monkeypatch):
-    real = loader.cache.unpack
+    real = loader.stores.cache.unpack
 
     def slow_unpack(*args):
         time.sleep(0.3)  # widen the window in which a second process could start unpacking too
         return real(*args)
 
-    monkeypatch.setattr(loader.cache, "unpack", slow_unpack)
+    monkeypatch.setattr(loader.stores.cache, "unpack", slow_unpack)
     ctx = multiprocessing.get_context("fork")
     barrier, results = ctx.Barrier(4), ctx.Queue()
     procs = [
@@ -141,7 +141,7 @@ def test_processes_loading_the_same_pack_at_once_unpack_it_once(classifier_pack,
 
 
 def _die_mid_unpack(pack: str, root: str) -> None:
-    real = loader.pack._TarReader.copy_data
+    real = loader.stores.pack._TarReader.copy_data
     calls = []
 
     def copy_then_die(self, *args):
@@ -150,7 +150,7 @@ def _die_mid_unpack(pack: str, root: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, *args)
 
-    loader.pack._TarReader.copy_data = copy_then_die
+    loader.stores.pack._TarReader.copy_data = copy_then_die
     Cache(root).open(read_head(pack))
 
 

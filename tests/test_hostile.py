@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import loader
-import loader.pack
+import loader.stores.pack
 from loader import ArtifactError, parse_manifest
 from loader import constants as C
-from loader.pack import tar_header, unpack
+from loader.stores.pack import tar_header, unpack
 from precompile.ship.sign import sign
 
 BLOCK = C.TAR_BLOCK
@@ -243,7 +243,7 @@ def test_a_decompression_bomb_is_refused_without_being_expanded(parts, tmp_path,
     bomb = frame(member("manifest.json", manifest)) + out.getvalue()
     assert len(bomb) < 64 * 1024
     produced = []
-    real = loader.pack.open_decompressed
+    real = loader.stores.pack.open_decompressed
 
     class Counting:
         def __init__(self, f):
@@ -254,7 +254,7 @@ def test_a_decompression_bomb_is_refused_without_being_expanded(parts, tmp_path,
             produced.append(len(chunk))
             return chunk
 
-    monkeypatch.setattr(loader.pack, "open_decompressed", Counting)
+    monkeypatch.setattr(loader.stores.pack, "open_decompressed", Counting)
     with pytest.raises(
         ArtifactError,
         match=r"frames declare 53687\d+ bytes, more than the \d+ its manifest accounts for \(decompression bomb\?\)",
@@ -634,7 +634,7 @@ class SmallPack:
         (folder / "manifest.json").write_text(json.dumps(m))
         self.manifest = parse_manifest((folder / "manifest.json").read_bytes())
         buf = io.BytesIO()
-        loader.pack.write_pack(folder, buf)
+        loader.stores.pack.write_pack(folder, buf)
         self.packed = buf.getvalue()
         self.tar = _decompressed(self.packed)
 

@@ -13,7 +13,7 @@ import torch
 
 import loader
 from loader import ArtifactError, Live, LoaderError, SwapError
-from loader.live import resolve_pointer
+from loader.serving.live import resolve_pointer
 
 
 def inputs(batch=2, seq=10, seed=0):

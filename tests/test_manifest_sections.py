@@ -16,8 +16,8 @@ import pytest
 
 import loader
 from loader import ArtifactError
-from loader.batch_plan import batch_plan
 from loader.manifest import CheckRecord, Measurement, Reference, parse_manifest
+from loader.serving.batch_plan import batch_plan
 
 WEIGHTS = "weights.safetensors"
 # What the build's measurement writes for a static variant it keeps (padding a batch to it pays).

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import loader
-from loader.pack import read_head
+from loader.stores.pack import read_head
 from precompile.ship.pack import pack
 
 SERVE_THEN_CHANGE = textwrap.dedent(

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader.traffic import TrafficFileError, TrafficRecorder, read_histogram
+from loader.serving.traffic import TrafficFileError, TrafficRecorder, read_histogram
 from precompile.authoring.merge import MergeError, merge_traffic
 from precompile.cli import main
 from precompile.profile import load_profile

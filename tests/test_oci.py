@@ -1,4 +1,4 @@
-"""OCI artifacts (loader/oci.py, precompile/ship/oci.py) against a real registry on loopback: Debian's
+"""OCI artifacts (loader/stores/oci.py, precompile/ship/oci.py) against a real registry on loopback: Debian's
 `docker-registry` (tests/oci_registry.py), started and stopped here, storing blobs in a tmp folder."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError, LoaderError, remote
+from loader import ArtifactError, LoaderError
 from loader import constants as C
-from loader.oci import parse_reference
+from loader.stores import remote
+from loader.stores.oci import parse_reference
 from precompile.cli import main
 from precompile.ship.oci import push
 from precompile.ship.sign import keygen, sign
@@ -195,7 +196,7 @@ def test_something_else_under_the_reference_is_not_taken_for_an_artifact(registr
 
     config = b'{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}'
     base = f"http://{registry.address}/v2/images/busybox"
-    from loader.oci import Registry
+    from loader.stores.oci import Registry
 
     client = Registry(parse_reference(f"oci://{registry.address}/images/busybox:1"))
     digest = "sha256:" + hashlib.sha256(config).hexdigest()

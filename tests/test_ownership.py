@@ -19,7 +19,7 @@ import pytest
 import loader
 from loader.errors import InsecurePathError
 from loader.fs import make_writable
-from loader.pack import read_head
+from loader.stores.pack import read_head
 from precompile.ship.pack import pack
 from precompile.ship.sign import sign
 

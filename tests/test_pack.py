@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import loader
 from loader import ArtifactError
 from loader import constants as C
-from loader.pack import read_head, read_partial_head, unpack, verify_pack, walk_frames
+from loader.stores.pack import read_head, read_partial_head, unpack, verify_pack, walk_frames
 from precompile.cli import main
 from precompile.errors import PrecompileError
 from precompile.ship.pack import pack

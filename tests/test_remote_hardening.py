@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError, remote
+from loader import ArtifactError
+from loader.stores import remote
 from precompile.cli import main
 from precompile.ship.remote import promote, push
 

@@ -11,7 +11,8 @@ import torch
 from click.testing import CliRunner
 
 import loader
-from loader import ArtifactError, Live, remote
+from loader import ArtifactError, Live
+from loader.stores import remote
 from precompile.cli import main
 from precompile.errors import PrecompileError
 from precompile.ship.remote import promote, push

@@ -437,7 +437,7 @@ def test_the_batcher_pads_numpy_calls_to_the_longest(encoder_artifact):
 @pytest.mark.integration
 def test_loader_live_and_batch_import_without_torch():
     code = (
-        "import sys, loader.live, loader.batch, precompile.serve.app, precompile.serve.server; "
+        "import sys, loader.serving.live, loader.serving.batch, precompile.serve.app, precompile.serve.server; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -501,7 +501,7 @@ def test_a_store_prefix_that_push_wrote_is_a_repository(
     """`precompile push` of two models (the classifier in versions 1 and 2) to `rclone serve s3`, then
     `precompile serve s3://models/prod/`: both served, the classifier at its latest version, each from
     the store through the cache."""
-    from loader import remote
+    from loader.stores import remote
     from precompile.ship.remote import push
 
     from .test_remote import BUCKET, S3Server

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import loader
 from loader import ArtifactError, LoaderError, UntrustedArtifactError
-from loader.pack import read_head
 from loader.source import open_artifact
+from loader.stores.pack import read_head
 from precompile.cli import main
 from precompile.errors import PrecompileError
 from precompile.ship.pack import pack

@@ -26,10 +26,10 @@ from ..errors import IncompatibleArtifactError
 from ..host import native_cpu_problem
 from ..isa import AUTO, IsaChoice, choose_isa
 from ..manifest import Manifest, Variant
-from ..opening import DEFAULT_OPEN, check_open_mode, open_variants, start_background
-from ..precision import REQUESTS, Choice, choose
-from ..source import open_artifact
-from ..warmup import DEFAULT_WARMUP_SHAPES, check_warmup_shapes
+from ..opening import DEFAULT_OPEN, LoadOptions, OnDemand, open_model, open_variants
+from ..precision import Choice, choose
+from ..source import Opened
+from ..warmup import DEFAULT_WARMUP_SHAPES
 from ..weights import MappedWeights
 from .capi import NUMPY_DTYPES, Container
 from .containers import USE_TORCH, Runtimes, container_opener, needs_torch
@@ -124,37 +124,16 @@ def load_native(
     >>> model = load_native("artifacts/text-classifier")
     >>> logits = model(ids, mask)        # numpy int64 and bool arrays in, a numpy float32 array out
     """
-    if precision not in REQUESTS:
-        raise ValueError(f"precision={precision!r}: expected one of {', '.join(REQUESTS)}")
-    check_open_mode(open)
-    check_warmup_shapes(warmup_shapes)
+    options = LoadOptions.of(locals())  # checked here, before anything is read
     torch = find_torch()
     # Opening torch's libraries overlaps the checks below; it opens nothing of the artifact. Not
     # opened at all where every CPU variant is standalone (it runs on the artifact's own shim).
     shim = Runtimes(torch, threads, start_torch=_may_need_torch(path))
-    try:
-        opened = open_artifact(
-            path,
-            device="cpu",
-            verify=verify,
-            trusted_keys=trusted_keys,
-            min_version=min_version,
-            refuse_rollback=refuse_rollback,
-            cache_dir=cache_dir,
-            state_dir=state_dir,
-            max_bytes=max_bytes,
-            host=host_facts(torch),
-            defer_packages=True,
-        )
-    except IncompatibleArtifactError as e:
-        raise IncompatibleArtifactError(
-            f"{e}\n  (the torch-free loader runs CPU variants only; for others {USE_TORCH})"
-        ) from None
-    with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
+
+    def build(opened: Opened) -> tuple[NativeModel, list[OnDemand]]:
         root, manifest = opened.root, opened.manifest
         _refuse_inputs(manifest, str(root))
         weights = opened.weights()
-        weights.check(manifest.constants)
         host = host_facts(torch)
         isa = choose_isa(manifest.variants, cpu_isa, host.cpu_features, native_cpu_problem(manifest, host), str(root))
         choice, served, packages = _choose(root, manifest, precision, host.cpu_features, isa)
@@ -167,13 +146,16 @@ def load_native(
         dtypes = {v.id: v.dtype for v in served}
         runners, pending = open_variants([v.id for v in served], open_one, open)
         model = NativeModel(root, manifest, weights, runners, digest=opened.digest, precision=choice, isa=isa)
-        model.warmup_shapes = warmup_shapes
-        if warmup:
-            model.warmup()
-        opened.loaded()
-    if open == "background":
-        model.opening = start_background(pending, model.warm_variant, str(root))
-    return model
+        return model, pending
+
+    return open_model(
+        path,
+        build,
+        options,
+        device="cpu",
+        host=host_facts(torch),
+        refused_hint=f"the torch-free loader runs CPU variants only; for others {USE_TORCH}",
+    )
 
 
 def manifest_problem(manifest: Manifest) -> str | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.fs import write_atomic
-from loader.traffic import Histogram, read_histogram
+from loader.serving.traffic import Histogram, read_histogram
 
 from ..errors import PrecompileError, ProfileError
 from ..profile import load_profile

@@ -15,7 +15,7 @@ def cache() -> None:
 @user_errors
 def ls() -> None:
     """List the cached artifacts: name, version, size, manifest digest, build date."""
-    from loader.cache import Cache
+    from loader.stores.cache import Cache
 
     store = Cache()
     entries = store.entries()
@@ -31,7 +31,7 @@ def ls() -> None:
 @user_errors
 def clear() -> None:
     """Remove every cached artifact (processes serving from one keep working)."""
-    from loader.cache import Cache
+    from loader.stores.cache import Cache
 
     store = Cache()
     removed, freed = store.clear()

@@ -19,7 +19,7 @@ from . import main, user_errors
 def inspect(artifact: Path, as_json: bool) -> None:
     """Show what an artifact (folder or pack) holds: target, torch, inputs, outputs, dim ranges, variants, files."""
     from loader.artifact import read_manifest
-    from loader.pack import read_head
+    from loader.stores.pack import read_head
 
     manifest = read_head(artifact).manifest if artifact.is_file() else read_manifest(artifact)
     if as_json:

@@ -357,8 +357,8 @@ def _preflight(artifact: str, record: str | None, trusted_keys: tuple[Path, ...]
     or that the runtime asked for cannot run, a key that is not one, an unreadable traffic file.
     Returns the artifact's manifest and the runtime to serve it with (``auto`` decided)."""
     from loader.host import check_compatible
-    from loader.live import read_served_manifest
-    from loader.traffic import expand_path, read_histogram
+    from loader.serving.live import read_served_manifest
+    from loader.serving.traffic import expand_path, read_histogram
 
     manifest = read_served_manifest(artifact)
     host = None  # the torch loader's facts (torch imported)

@@ -21,9 +21,9 @@ import numpy as np
 import loader
 from loader import constants as C
 from loader.errors import ArtifactError, GuardError
-from loader.oci import is_reference
 from loader.outputs import flatten, output_names
-from loader.remote import is_url
+from loader.stores.oci import is_reference
+from loader.stores.remote import is_url
 
 RUNTIMES = ("torch", "native")
 

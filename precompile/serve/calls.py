@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from loader.constants import OIP_DATATYPES
-from loader.live import Serving
 from loader.manifest import InputSpec, Manifest
 from loader.outputs import flatten, output_names
+from loader.serving.live import Serving
 
 from .codec import Codec
 from .errors import Code, Refused, invalid

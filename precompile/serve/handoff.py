@@ -7,7 +7,7 @@ from the worker's thread: the loop woke at the first and took the GIL back and f
 for the other seven (traced under load: up to a millisecond of the worker's time per batch, before it
 could take the next one). Here the futures that finish while the loop has not yet run are handed over
 together, in one callback: the loader's Batcher sets a batch's futures in one burst
-(``loader.batch.after_burst``), and the loop is woken once at its end.
+(``loader.serving.batch.after_burst``), and the loop is woken once at its end.
 
     results = loop_results()                       # the running loop's (one per loop)
     outputs = await results.wrap(batcher.submit(...))
@@ -24,7 +24,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 
-from loader.batch import after_burst
+from loader.serving.batch import after_burst
 
 _LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopResults] = weakref.WeakKeyDictionary()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loader import LoaderError
-from loader.live import resolve_pointer
+from loader.serving.live import resolve_pointer
 
 from .codec import BodyError, parse_object
 

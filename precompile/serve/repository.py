@@ -40,10 +40,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from loader import LoaderError, remote
+from loader import LoaderError
 from loader import constants as C
-from loader.live import SwapError, read_served_manifest
 from loader.manifest import Manifest
+from loader.serving.live import SwapError, read_served_manifest
+from loader.stores import remote
 
 from .codec import MIN_BODY_BYTES, body_limit
 from .config import ServeConfig

@@ -22,8 +22,8 @@ from starlette.concurrency import run_in_threadpool
 
 import loader
 from loader import Batcher, BatcherClosed, Live, LoaderError, TrafficRecorder
-from loader.live import Serving, SwapAttempt, read_served_manifest
 from loader.manifest import Manifest
+from loader.serving.live import Serving, SwapAttempt, read_served_manifest
 from loader.threads import default_threads, lower_priority
 
 from .codec import MIN_BODY_BYTES, body_limit, codec_for, dumps, parse_body

@@ -1,7 +1,7 @@
 """Shipping an artifact from CI to serving hosts: ``pack`` it, ``sign`` it, ``verify`` it, and move
 it through an object store (``remote``: push, pull, ls, promote).
 
-The formats belong to the loader (``loader.pack``, ``loader.trust``, ``loader.remote``); this package
+The formats belong to the loader (``loader.stores.pack``, ``loader.trust``, ``loader.stores.remote``); this package
 is the build side's use of them: it writes files atomically, turns user mistakes into PrecompileError,
 and gathers the checks ``precompile verify`` reports.
 

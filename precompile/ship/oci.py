@@ -1,7 +1,7 @@
 """Publishing artifacts to OCI registries and fetching them back: ``precompile push ART oci://...``,
 ``precompile pull oci://...``.
 
-The layout and the reading belong to the loader (``loader/constants.py``, ``loader.oci``); this is
+The layout and the reading belong to the loader (``loader/constants.py``, ``loader.stores.oci``); this is
 the writing: one blob per file, uploaded only when the registry does not hold its digest yet (a HEAD
 first), so a version that keeps its predecessor's weights uploads no weights; then the empty config;
 then the manifest under the tag. Pushing the same artifact to the same tag again uploads nothing.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from loader import constants as C
 from loader.artifact import manifest_digest, read_manifest_with_bytes, read_signature, sha256_file, verify_files
-from loader.oci import Registry, parse_reference
-from loader.oci import pull as pull_reference
-from loader.pack import unpack
+from loader.stores.oci import Registry, parse_reference
+from loader.stores.oci import pull as pull_reference
+from loader.stores.pack import unpack
 
 from ..errors import PrecompileError
 

@@ -1,4 +1,4 @@
-"""``precompile pack``: an artifact folder as one .tar.zst file (the format is ``loader.pack``'s),
+"""``precompile pack``: an artifact folder as one .tar.zst file (the format is ``loader.stores.pack``'s),
 written atomically; a signed artifact's signature must belong to its manifest."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from loader import constants as C
 from loader.artifact import manifest_digest, read_manifest_with_bytes, read_signature
-from loader.pack import write_pack
+from loader.stores.pack import write_pack
 from loader.trust import parse_signature
 
 from ..errors import PrecompileError

@@ -8,8 +8,8 @@ Layout under a store URL (any fsspec URL; ``s3://`` with the ``s3`` extra)::
 
 ``loader.load("<url>/<name>/<version>.tar.zst")`` reads a published pack directly; the index is for
 people and tools (``ls``, ``pull`` of the latest version) and bounds the loader's downloads (size,
-sha256). It is untrusted input, parsed strictly in one place (``loader.remote.parse_index``); a push
-refuses to extend a damaged one. Transfers go through ``loader.remote`` (same endpoint settings,
+sha256). It is untrusted input, parsed strictly in one place (``loader.stores.remote.parse_index``); a push
+refuses to extend a damaged one. Transfers go through ``loader.stores.remote`` (same endpoint settings,
 retries and streaming as the loader).
 
 Not guarded against two pushes of the same version at the same moment: the store has no compare-and-
@@ -27,8 +27,8 @@ from typing import Any
 
 from loader import constants as C
 from loader.errors import ArtifactError
-from loader.pack import PackHead, verify_pack
-from loader.remote import (
+from loader.stores.pack import PackHead, verify_pack
+from loader.stores.remote import (
     INDEX_FILE,
     IndexEntry,
     MissingObjectError,
@@ -41,7 +41,7 @@ from loader.remote import (
     retried,
     stat,
 )
-from loader.remote import resolve_pointer as _resolve_pointer
+from loader.stores.remote import resolve_pointer as _resolve_pointer
 from loader.trust import parse_signature
 
 from ..errors import PrecompileError
@@ -95,7 +95,7 @@ def push(artifact: str | os.PathLike, url: str, *, level: int = 3) -> Pushed:
 
 
 def ls(url: str) -> dict[str, StoreIndex]:
-    """The models under a store URL and their versions: ``{name: index}`` (``loader.remote.list_models``)."""
+    """The models under a store URL and their versions: ``{name: index}`` (``loader.stores.remote.list_models``)."""
     return list_models(url)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from loader import constants as C
 from loader.artifact import read_manifest_with_bytes, verify_files
-from loader.pack import replace_head, unpack, verify_pack, write_pack
+from loader.stores.pack import replace_head, unpack, verify_pack, write_pack
 from loader.trust import key_id, make_signature
 
 from ..errors import PrecompileError

@@ -11,7 +11,7 @@ version folder per artifact (its manifest ``version``) holding the artifact, cop
     REPO/tiny-tagger/1/artifact/...
 
 Inputs and outputs take ``-1`` for dynamic dims. ``max_batch_size`` is the batch dim's largest size
-when ``loader.batch_plan`` finds one that is axis 0 of every input and output (Triton batches on
+when ``loader.serving.batch_plan`` finds one that is axis 0 of every input and output (Triton batches on
 axis 0 only), with ``dynamic_batching`` preferring the static variants' batch sizes; otherwise 0
 and the batch dim stays in the dims. Output dtypes and fixed sizes come from one call at the
 smallest shape, so the artifact must load on this host. Anything Triton cannot describe is refused
@@ -37,10 +37,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import loader
-from loader.batch_plan import batch_plan
 from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 from loader.precision import REQUESTS
+from loader.serving.batch_plan import batch_plan
 from loader.trust import public_keys
 
 from ..errors import PrecompileError

@@ -21,7 +21,7 @@ from loader.errors import IncompatibleArtifactError, LoaderError
 from loader.host import compatibility_problems, host_facts
 from loader.manifest import Manifest, Reference
 from loader.outputs import flatten
-from loader.pack import read_head, verify_pack
+from loader.stores.pack import read_head, verify_pack
 from loader.trust import check_expiry, check_signature, parse_signature, public_keys
 from loader.weights import MappedWeights
 

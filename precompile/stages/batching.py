@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from loader.batch_tensors import grow
 from loader.manifest import Batching
 from loader.model import TORCH_OPS
 from loader.outputs import flatten
+from loader.serving.batch_plan import BatchPlan, section_plan
+from loader.serving.batch_tensors import cut, join_inputs
 
 from ..compare import compare_tensors
 from ..errors import ProfileError
@@ -53,15 +54,17 @@ def check_batching(loaded: LoadedProfile, model: torch.nn.Module) -> Batching | 
     output_axes = [
         [s if isinstance(s, str) and s in profile.dims else None for s in o.shape] for o in profile.outputs or []
     ]
+    shapes = [(name, inp.shape) for name, inp in profile.inputs.items()]
+    plan = section_plan(spec.dim, spec.pad, pad_values, shapes, output_axes)
     batches = samples(profile, spec)
     worst, checked = 0.0, 0
     for n, sample in enumerate(batches):
         seed = profile.check.seed + 104729 * (n + 1)
         calls = [make_inputs(profile, sizes, seed=seed + k) for k, sizes in enumerate(sample.calls)]
         alone = [flatten(run_eager(model, args)) for args in calls]
-        together = flatten(run_eager(model, batch_inputs(profile, spec, calls, sample.calls, pad_values)))
+        together = flatten(run_eager(model, batch_inputs(plan, calls, sample.calls)))
         for k, (sizes, want) in enumerate(zip(sample.calls, alone)):
-            got = cut_back(spec, together, output_axes, sample.calls, k)
+            got = cut_back(plan, together, output_axes, sample.calls, k)
             worst = max(worst, _compare_call(loaded, spec, sample, sizes, want, got, pad_values))
             checked += 1
     return Batching(
@@ -104,39 +107,28 @@ def samples(profile: Profile, spec: BatchingSpec) -> list[Sample]:
     return out
 
 
-def batch_inputs(
-    profile: Profile, spec: BatchingSpec, calls: list[tuple], sizes: list[dict[str, int]], pad_values: dict[str, float]
-) -> tuple:
-    """The calls as one batch, as loader.Batcher forms it: every padded dim grown to the largest size
-    among the calls, then each input concatenated along its batch axis."""
-    target = {d: max(s[d] for s in sizes) for d in spec.pad}
-    out = []
-    for i, (name, inp) in enumerate(profile.inputs.items()):
-        parts = [args[i] for args in calls]
-        for d in spec.pad:
-            axes = tuple(a for a, s in enumerate(inp.shape) if s == d)
-            parts = [grow(TORCH_OPS, t, axes, target[d], pad_values.get(name, 0.0)) for t in parts]
-        out.append(torch.cat(parts, dim=inp.shape.index(spec.dim)))
-    return tuple(out)
+def batch_inputs(plan: BatchPlan, calls: list[tuple], sizes: list[dict[str, int]]) -> tuple:
+    """The calls as one batch, as loader.Batcher forms it (``loader.serving.batch_tensors.join_inputs``):
+    every padded dim grown to the largest size among the calls, then each input concatenated along
+    its batch axis."""
+    rows = sum(s[plan.batch_dim] for s in sizes)
+    pads = [max(s[d] for s in sizes) for d in plan.pad_dims]
+    return tuple(join_inputs(TORCH_OPS, plan, calls, pads=pads, rows=rows, size=rows))
 
 
 def cut_back(
-    spec: BatchingSpec, outputs: list[torch.Tensor], output_axes: list, sizes: list[dict[str, int]], k: int
-) -> list[torch.Tensor]:
-    """Call ``k``'s part of the batch's flat ``outputs``: its rows along each output's batch axis,
-    and every axis following a padded dim narrowed to the call's own size."""
-    start = sum(s[spec.dim] for s in sizes[:k])
-    out = []
-    for t, axes in zip(outputs, output_axes):
-        if len(axes) != t.dim():
-            out.append(t)  # the comparison reports the shape
-            continue
-        piece = t.narrow(axes.index(spec.dim), start, sizes[k][spec.dim])
-        for a, d in enumerate(axes):
-            if d in spec.pad:
-                piece = piece.narrow(a, 0, sizes[k][d])
-        out.append(piece)
-    return out
+    plan: BatchPlan, outputs: list[torch.Tensor], output_axes: list, sizes: list[dict[str, int]], k: int
+) -> list:
+    """Call ``k``'s part of the batch's flat ``outputs``, as loader.Batcher cuts it
+    (``loader.serving.batch_tensors.cut``): its rows along each output's batch axis, and every axis
+    following a padded dim narrowed to the call's own size. An output of another rank than its
+    declared axes is left whole, for the comparison to report its shape."""
+    start = sum(s[plan.batch_dim] for s in sizes[:k])
+    rows, pads = sizes[k][plan.batch_dim], [sizes[k][d] for d in plan.pad_dims]
+    return [
+        t if len(axes) != t.dim() else cut(TORCH_OPS, plan, i, t, start=start, rows=rows, pads=pads)
+        for i, (t, axes) in enumerate(zip(outputs, output_axes))
+    ]
 
 
 def _compare_call(

@@ -1,7 +1,7 @@
 """The batch plan: which calls to one model may run together, and at what shape. Pure functions of
 the manifest, the variants and a call's sizes, with no thread and no tensor work, so that a test can
 check every decision ``loader.Batcher`` makes without running one (the rules are in the module
-docstring of ``loader.batch``).
+docstring of ``loader.serving.batch``).
 
     plan = batch_plan(model)                     # once per model version
     spot = place(plan, model, tensors, sizes, variant, max_batch=8)  # per call: batch-mates, limits
@@ -10,12 +10,13 @@ docstring of ``loader.batch``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .dispatch import ServedModel
-    from .manifest import Variant
+    from ..dispatch import ServedModel
+    from ..manifest import Variant
 
 BATCH_DIM = "batch"  # the batch dim of artifacts without a ``batching`` section
 PadTimes = dict[tuple, dict[int, tuple[float, float]]]  # other dims' sizes -> batch size -> (static_ms, dynamic_ms)
@@ -61,34 +62,45 @@ class Placement:
 
 
 def batch_plan(model: ServedModel) -> BatchPlan:
-    """Find ``model``'s batch dim, padded dims and static sizes (see ``loader.batch``)."""
+    """Find ``model``'s batch dim, padded dims and static sizes (see ``loader.serving.batch``)."""
     m = model.manifest
     section = m.batching
     if section is not None:
         dim = section.dim
-        input_axes = tuple(spec.shape.index(dim) for spec in m.inputs)
-        output_axes: tuple[int, ...] | None = tuple(axes.index(dim) for axes in m.output_dims or ())
+        shapes = [(spec.name, spec.shape) for spec in m.inputs]
+        plan = section_plan(dim, section.pad, section.pad_value, shapes, m.output_dims or ())
     else:
-        dim, input_axes, output_axes = BATCH_DIM, (), None
+        dim = BATCH_DIM
         why = _why_unbatched(model, dim)
         if why:
             return BatchPlan(None, why)
-        if m.output_dims is not None:
-            output_axes = tuple(0 for _ in m.output_dims)
+        output_axes = tuple(0 for _ in m.output_dims) if m.output_dims is not None else None
+        plan = BatchPlan(dim, output_axes=output_axes, pad_values=tuple(0.0 for _ in m.inputs))
     others = tuple(d for d in m.dims if d != dim)
-    pad_dims = section.pad if section is not None else ()
+    return replace(
+        plan, statics=_static_sizes(model, dim, others), pad_to=_measured_pads(model, dim, others), others=others
+    )
+
+
+def section_plan(
+    dim: str,
+    pad: Sequence[str],
+    pad_value: Mapping[str, float],
+    inputs: Sequence[tuple[str, Sequence[Any]]],
+    output_dims: Sequence[Sequence[Any]],
+) -> BatchPlan:
+    """The axes a ``batching`` section (``dim``, ``pad``, ``pad_value``) joins and cuts along, from
+    each input's name and shape and each flat output's dims: the batch axis of each, the axes each
+    padded dim is on, each input's pad value. The one rule of both sides: the Batcher's plan from
+    the manifest, the build's check of the section from the profile (``precompile.stages.batching``)."""
     return BatchPlan(
         dim,
-        "",
-        _static_sizes(model, dim, others),
-        _measured_pads(model, dim, others),
-        others=others,
-        input_axes=input_axes,
-        output_axes=output_axes,
-        pad_dims=pad_dims,
-        pad_inputs=tuple(tuple(_axes(spec.shape, d) for spec in m.inputs) for d in pad_dims),
-        pad_outputs=tuple(tuple(_axes(axes, d) for axes in m.output_dims or ()) for d in pad_dims),
-        pad_values=tuple(section.pad_value.get(spec.name, 0.0) if section is not None else 0.0 for spec in m.inputs),
+        input_axes=tuple(tuple(shape).index(dim) for _, shape in inputs),
+        output_axes=tuple(tuple(axes).index(dim) for axes in output_dims),
+        pad_dims=tuple(pad),
+        pad_inputs=tuple(tuple(_axes(shape, d) for _, shape in inputs) for d in pad),
+        pad_outputs=tuple(tuple(_axes(axes, d) for axes in output_dims) for d in pad),
+        pad_values=tuple(pad_value.get(name, 0.0) for name, _ in inputs),
     )
 
 
@@ -131,7 +143,7 @@ def _measured_pads(model: ServedModel, dim: str, others: tuple[str, ...]) -> Pad
     return pad_to
 
 
-def _axes(shape: tuple, dim: str) -> tuple[int, ...]:
+def _axes(shape: Sequence[Any], dim: str) -> tuple[int, ...]:
     return tuple(axis for axis, s in enumerate(shape) if s == dim)
 
 
@@ -202,7 +214,7 @@ def aim(plan: BatchPlan, key: tuple, rows: int, max_rows: int, reach: tuple = ()
     """The shape to run ``rows`` real rows at, whose other dims are ``key`` (padded dims already at the
     batch's largest): ``(key, rows)``, or a static variant's larger shape, up to ``max_rows`` and
     within ``reach`` (per padded dim, the range the batch was gathered in), where padding to it was
-    measured to pay (see ``loader.batch``)."""
+    measured to pay (see ``loader.serving.batch``)."""
     if rows in plan.statics.get(key, ()):
         return key, rows
     at = [plan.others.index(d) for d in plan.pad_dims]
@@ -223,7 +235,7 @@ def aim(plan: BatchPlan, key: tuple, rows: int, max_rows: int, reach: tuple = ()
 
 def padded_size(plan: BatchPlan, key: tuple, rows: int, max_rows: int) -> int:
     """The batch size to run ``rows`` real rows at: ``rows``, or a larger static size up to
-    ``max_rows`` where padding to it was measured to pay (see ``loader.batch``)."""
+    ``max_rows`` where padding to it was measured to pay (see ``loader.serving.batch``)."""
     return aim(plan, key, rows, max_rows)[1]
 
 

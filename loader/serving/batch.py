@@ -43,9 +43,9 @@ setting the calling thread's OpenMP team size), a worker runs its batch with all
 other worker is running one and nothing else waits (a lone caller keeps the whole machine), else
 with ``threads // N``, so that busy workers share the threads rather than each asking for all.
 
-This module is the worker thread and its queue; the decisions above are ``loader.batch_plan``'s
+This module is the worker thread and its queue; the decisions above are ``loader.serving.batch_plan``'s
 (pure functions of the manifest and a call's sizes) and the joining of inputs and cutting of
-outputs ``loader.batch_tensors``'s.
+outputs ``loader.serving.batch_tensors``'s.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from ..dispatch import ServedModel
+from ..errors import LoaderError
 from .batch_plan import BatchPlan, Placement, aim, batch_plan, place
 from .batch_tensors import NotBatched, join_inputs, split_outputs
-from .dispatch import ServedModel
-from .errors import LoaderError
 from .live import Live, Serving
 
 log = logging.getLogger("loader")

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import LoaderError
-from .fs import write_atomic
+from ..errors import LoaderError
+from ..fs import write_atomic
 
 # A histogram: the sizes of every dim, in dim order, as (name, size) pairs -> number of calls.
 Histogram = dict[tuple[tuple[str, int], ...], int]

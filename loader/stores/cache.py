@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import constants as C
-from .artifact import read_manifest, verify_files
-from .errors import ArtifactError, LoaderError
-from .fs import check_private, fsync_dir, locked, make_read_only, remove_tree, seal, write_atomic
-from .manifest import SHA256_RE, Manifest
+from .. import constants as C
+from ..artifact import read_manifest, verify_files
+from ..errors import ArtifactError, LoaderError
+from ..fs import check_private, fsync_dir, locked, make_read_only, remove_tree, seal, write_atomic
+from ..manifest import SHA256_RE, Manifest
 from .pack import PackHead, unpack
 
 
@@ -79,7 +79,7 @@ class Cache:
 
         ``verify=False`` checks sizes only on an existing entry (an install always hashes). ``fill``:
         what writes the artifact's files into an empty folder instead of unpacking ``head.path``
-        (``loader.oci`` downloads them); the files are hashed again before they become the entry.
+        (``loader.stores.oci`` downloads them); the files are hashed again before they become the entry.
         """
         entry = self.entry_path(head.digest)
         if os.path.lexists(entry) and self._check_folders():

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from . import constants as C
-from .artifact import manifest_digest, read_manifest, read_signature
-from .errors import ArtifactError, import_extra
-from .manifest import MAX_INT, Manifest, check_member_path, parse_manifest
+from .. import constants as C
+from ..artifact import manifest_digest, read_manifest, read_signature
+from ..errors import ArtifactError, import_extra
+from ..manifest import MAX_INT, Manifest, check_member_path, parse_manifest
 
 CHUNK = 1 << 20
 RESERVED = (C.MANIFEST_FILE, C.SIGNATURE_FILE)

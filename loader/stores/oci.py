@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from . import constants as C
-from .artifact import manifest_digest
+from .. import constants as C
+from ..artifact import manifest_digest
+from ..errors import ArtifactError, LoaderError
+from ..manifest import Manifest, _Reader, parse_manifest
 from .cache import Cache
-from .errors import ArtifactError, LoaderError
-from .manifest import Manifest, _Reader, parse_manifest
 from .pack import PackHead
 
 PLAIN_HTTP_ENV = "PRECOMPILE_OCI_PLAIN_HTTP"

@@ -1,6 +1,6 @@
 """The array work of a batch: join the calls' inputs into one batch, split its outputs back per
 call. Pure functions of arrays and a ``BatchPlan``; ``loader.Batcher`` calls them from its worker
-thread (the rules are in the module docstring of ``loader.batch``). The arrays are the model's own
+thread (the rules are in the module docstring of ``loader.serving.batch``). The arrays are the model's own
 kind (torch tensors, numpy arrays), worked on through its ``ArrayOps`` (``model.ops``), so this
 module imports neither torch nor numpy.
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..manifest import OutputSpec
+from ..outputs import flatten, unflatten
+from ..policy import ArrayOps
 from .batch_plan import BatchPlan
-from .manifest import OutputSpec
-from .outputs import flatten, unflatten
-from .policy import ArrayOps
 
 
 class NotBatched(Exception):
@@ -69,10 +69,17 @@ def split_outputs(
             )
         start = 0
         for c, (rows, pads) in enumerate(shares):
-            piece = ops.narrow(t, axis, start, rows)
-            for j, n in enumerate(pads):
-                for a in plan.pad_outputs[j][k]:
-                    piece = ops.narrow(piece, a, 0, n)
-            per_call[c].append(piece)
+            per_call[c].append(cut(ops, plan, k, t, start=start, rows=rows, pads=pads))
             start += rows
     return [unflatten(spec, pieces) for pieces in per_call]
+
+
+def cut(ops: ArrayOps, plan: BatchPlan, k: int, t: Any, *, start: int, rows: int, pads: Sequence[int]) -> Any:
+    """One call's part of flat output ``k`` (``t``): its ``rows`` rows from ``start`` along the
+    output's batch axis, every axis following a padded dim narrowed to the call's size in that dim
+    (``pads``, per padded dim). The build's check of a ``batching`` section cuts with it too."""
+    piece = ops.narrow(t, plan.output_axis(k), start, rows)
+    for j, n in enumerate(pads):
+        for a in plan.pad_outputs[j][k]:
+            piece = ops.narrow(piece, a, 0, n)
+    return piece

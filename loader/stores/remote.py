@@ -40,13 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import constants as C
+from .. import constants as C
+from ..artifact import is_url, manifest_digest, read_signature
+from ..errors import ArtifactError, LoaderError
+from ..fs import check_private, write_atomic
+from ..manifest import MAX_INT, NAME_RE, _Reader
 from . import oci
-from .artifact import manifest_digest, read_signature
 from .cache import Cache
-from .errors import ArtifactError, LoaderError
-from .fs import check_private, write_atomic
-from .manifest import MAX_INT, NAME_RE, _Reader
 from .pack import MAX_HEAD_BYTES, PackHead, max_pack_bytes, read_partial_head
 
 ENDPOINT_ENV = "PRECOMPILE_S3_ENDPOINT_URL"
@@ -61,13 +61,7 @@ class MissingObjectError(ArtifactError):
     """The store answered: there is no object at this URL."""
 
 
-_URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 T = TypeVar("T")
-
-
-def is_url(path: object) -> bool:
-    """True for ``scheme://...`` strings (fsspec URLs); paths on disk are never URLs."""
-    return isinstance(path, str) and bool(_URL_RE.match(path))
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -551,7 +545,7 @@ def _cached_head(cache: Cache, record_path: Path, etag: str | None, size: int) -
         return None
     if manifest_digest(manifest_bytes) != record["digest"]:
         return None
-    from .manifest import parse_manifest
+    from ..manifest import parse_manifest
 
     manifest = parse_manifest(manifest_bytes, source=str(entry / C.MANIFEST_FILE))
     return PackHead(entry, manifest, manifest_bytes, read_signature(entry), record["digest"])

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import constants as C
-from . import remote
-from .artifact import read_manifest
-from .dispatch import ServedModel
-from .errors import LoaderError
-from .manifest import Manifest
-from .pack import read_head
+from .. import constants as C
+from ..artifact import read_manifest
+from ..dispatch import ServedModel
+from ..errors import LoaderError
+from ..manifest import Manifest
+from ..stores import remote
+from ..stores.pack import read_head
 from .traffic import Histogram, add_histograms, histogram_of
 
 # How long a swap waits for calls still running on the old version before taking its counts anyway.
@@ -79,7 +79,7 @@ class Serving:
     loaded_at: float  # time.time() when it was swapped in
     load_seconds: float  # loading plus warm-up
     in_flight: _InFlight = field(default_factory=lambda: _InFlight(), compare=False, repr=False)
-    # For a URL: the identity (loader.remote.identity) of the pointer object it was resolved through.
+    # For a URL: the identity (loader.stores.remote.identity) of the pointer object it was resolved through.
     pointer: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -169,7 +169,7 @@ def read_served_manifest(path: str | os.PathLike) -> Manifest:
     without unpacking or hashing anything: for checks before a server starts. A URL (a remote pack or
     pointer) is fetched into the cache and checked as ``load()`` would, so the server's load finds it there."""
     if remote.is_url(path):
-        from .source import open_artifact
+        from ..source import open_artifact
 
         return open_artifact(remote.resolve_pointer(str(path)).target).manifest
     target = resolve_pointer(path)
@@ -375,7 +375,7 @@ class Live:
 
     def _load(self) -> Callable[..., ServedModel]:
         if self.load is None:
-            from .model import load  # torch: only a holder that serves through it imports it
+            from ..model import load  # torch: only a holder that serves through it imports it
 
             self.load = load
         return self.load
@@ -418,7 +418,7 @@ class Live:
         Every ``interval`` seconds, if it designates another artifact or that artifact's manifest (or
         pack) changed, swap to it. A refused version is not retried until the path changes again; ``last_attempt``
         says why it was refused. ``path`` may be a URL: a pointer object in a store (``s3://.../current``)
-        or a pack; each look asks the store for its ETag and size only (``loader.remote.identity``), and
+        or a pack; each look asks the store for its ETag and size only (``loader.stores.remote.identity``), and
         a change loads the pack it names now, through the cache like any URL.
         """
         target = _source(path) if path is not None else self.source
