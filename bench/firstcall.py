@@ -1,7 +1,7 @@
 """The first call at a shape no call met before, against the steady call at that shape, per dynamic variant.
 
     .venv/bin/python -m bench.firstcall ARTIFACT [ARTIFACT ...] [--shapes 3] [--repeat 20]
-        [--warmup-shapes hint auto] [--out firstcall.json]
+        [--warmup-shapes hint auto] [--onnx MODEL.onnx ...] [--out firstcall.json]
 
 Prints one row per shape, then one line per artifact and warm-up (``summary``): the median and worst ratio.
 
@@ -16,6 +16,11 @@ process's CPU time and minor page faults of the first call and of a steady one, 
 less on the machine's load. What the first call pays over the steady one is oneDNN creating its
 primitives for the shape (descriptor and JIT), and fresh pages for buffers larger than any met before
 (what the largest shape's warm-up takes away). Target (issue 22): first ≤ 1.5× steady.
+
+``--onnx`` (one ONNX export per artifact, in the same order: ``bench.onnx_export``, or the
+``model.onnx`` that ``bench.vision --work`` leaves): ONNX Runtime's own first call against its steady
+one, at the same unseen shapes, in a fresh process of its own with as many intra-op threads as the
+artifact's process ran, after the same warm-up shapes (rows ``ONNX Runtime``).
 
 Run it on a quiet machine; on a busy one the wall-time ratios say little.
 """
@@ -47,25 +52,96 @@ def measure(
     repeat: int = 20,
     warmups: tuple[str, ...] = WARMUPS,
     env: dict[str, str] | None = None,
+    onnx: list[Path] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (artifact, warm-up mode, dynamic variant, shape), each artifact and mode measured
     in its own process, on the same shapes in every mode. ``env``: those processes' environment
-    (default: this one's, OpenMP's idle threads asleep), e.g. with an allocator preloaded."""
+    (default: this one's, OpenMP's idle threads asleep), e.g. with an allocator preloaded. ``onnx``:
+    each artifact's ONNX export, whose first calls ONNX Runtime makes at the same shapes."""
     rows: list[dict[str, Any]] = []
     if env is None:
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    for path in artifacts:
+    for k, path in enumerate(artifacts):
+        mine: list[dict[str, Any]] = []
         for mode in warmups:
-            run = subprocess.run(
-                [sys.executable, "-m", "bench.firstcall", "--child", str(path), "--shapes", str(shapes),
-                 "--repeat", str(repeat), "--warmup-shapes", mode],
-                cwd=ROOT, env=env, capture_output=True, text=True,
+            mine += _run_child(
+                ["--child", str(path), "--shapes", str(shapes), "--repeat", str(repeat), "--warmup-shapes", mode],
+                env, {"artifact": str(path), "warmup": mode},
             )  # fmt: skip
-            if run.returncode != 0:
-                failed = run.stderr.strip().splitlines()[-1:] or ["exit"]
-                rows.append({"artifact": str(path), "warmup": mode, "failed": failed})
-                continue
-            rows += json.loads(run.stdout.strip().splitlines()[-1])
+        rows += mine
+        done = [r for r in mine if "failed" not in r]
+        if onnx and done:
+            from loader.artifact import read_manifest
+
+            inputs = [
+                {"name": i.name, "shape": list(i.shape), "dtype": i.dtype, "range": [i.range.min, i.range.max] if i.range else None}
+                for i in read_manifest(path).inputs
+            ]  # fmt: skip
+            plan = {
+                "warmed": done[-1]["warmed"], "threads": done[-1].get("threads", 1), "model": done[-1]["model"],
+                "dims": [r["dims"] for r in done if r["warmup"] == done[-1]["warmup"]], "inputs": inputs,
+            }  # fmt: skip
+            rows += _run_child(
+                ["--onnx-child", str(onnx[k]), "--repeat", str(repeat), "--plan", json.dumps(plan)],
+                env, {"artifact": str(onnx[k]), "warmup": "onnxruntime"},
+            )  # fmt: skip
+    return rows
+
+
+def _run_child(argv: list[str], env: dict[str, str], where: dict[str, Any]) -> list[dict[str, Any]]:
+    """A fresh process's rows (``python -m bench.firstcall`` with ``argv``); one failed row if it fails."""
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.firstcall", *argv], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if run.returncode != 0:
+        return [{**where, "failed": run.stderr.strip().splitlines()[-1:] or ["exit"]}]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _onnx_child(path: Path, repeat: int, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """ONNX Runtime's first and steady calls at ``plan``'s shapes, after its warm-up shapes, with its
+    thread count (``bench.peers.open_engine``: the bench's ONNX Runtime session)."""
+    import numpy as np
+
+    from .peers import open_engine
+
+    start = time.perf_counter()
+    run, facts = open_engine("onnxruntime", str(path), plan["threads"])
+    load_s = time.perf_counter() - start
+    rng = np.random.default_rng(22)
+
+    def feeds(sizes: dict[str, int]) -> dict[str, Any]:
+        """The artifact's inputs at ``sizes`` (its manifest's names, shapes, dtypes and ranges)."""
+        out = {}
+        for spec in plan["inputs"]:
+            shape = [sizes[d] if isinstance(d, str) else d for d in spec["shape"]]
+            if spec["dtype"] == "bool":
+                out[spec["name"]] = np.ones(shape, dtype=bool)
+            elif spec["dtype"].startswith(("int", "uint")):
+                lo, hi = spec["range"] or (0, 1)
+                out[spec["name"]] = rng.integers(int(lo), int(hi) + 1, shape).astype(spec["dtype"])
+            else:
+                out[spec["name"]] = rng.standard_normal(shape).astype(spec["dtype"])
+        return out
+
+    for sizes in plan["warmed"]:
+        run(feeds(sizes))
+    rows = []
+    for sizes in plan["dims"]:
+        x = feeds(sizes)
+        times = []
+        for _ in range(repeat + 1):
+            cpu, t = time.process_time(), time.perf_counter()
+            run(x)
+            times.append(((time.perf_counter() - t) * 1000, (time.process_time() - cpu) * 1000))
+        first, steady = times[0], statistics.median(w for w, _ in times[1:])
+        rows.append({
+            "artifact": str(path), "model": plan["model"], "warmup": "onnxruntime", "load_s": load_s,
+            "warmed": plan["warmed"], "threads": facts["threads"], "variant": "onnxruntime", "dims": sizes,
+            "shape": "unseen", "first_ms": first[0], "steady_ms": steady, "ratio": first[0] / steady,
+            "first_cpu_ms": first[1], "steady_cpu_ms": statistics.median(c for _, c in times[1:]),
+            "first_faults": 0, "steady_faults": 0,
+        })  # fmt: skip
     return rows
 
 
@@ -92,7 +168,7 @@ def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dic
             steady = statistics.median(t[0] for t in times)
             rows.append({
                 "artifact": str(path), "model": model.name, "warmup": warmup_shapes, "load_s": load_s, "warmed": warmed,
-                "malloc": in_use(),
+                "malloc": in_use(), "threads": torch.get_num_threads(),
                 "variant": v.id, "precision": v.precision, "dims": sizes, "shape": kind,
                 "first_ms": first, "steady_ms": steady, "ratio": first / steady,
                 "first_cpu_ms": first_cpu, "steady_cpu_ms": statistics.median(t[1] for t in times),
@@ -208,13 +284,25 @@ def main() -> None:
         "--warmup-shapes", nargs="+", default=list(WARMUPS), choices=loader.warmup.WARMUP_SHAPES,
         help="the load's warm-up modes to compare, each in its own process (loader.warmup)",
     )  # fmt: skip
+    parser.add_argument(
+        "--onnx", nargs="+", type=Path, help="each artifact's ONNX export: ONNX Runtime's first calls too"
+    )
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--onnx-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.artifacts[0], args.shapes, args.repeat, args.warmup_shapes[0])))
         return
-    rows = measure(args.artifacts, shapes=args.shapes, repeat=args.repeat, warmups=tuple(args.warmup_shapes))
+    if args.onnx_child:
+        print(json.dumps(_onnx_child(args.artifacts[0], args.repeat, json.loads(args.plan))))
+        return
+    if args.onnx and len(args.onnx) != len(args.artifacts):
+        parser.error("--onnx: one ONNX export per artifact, in the same order")
+    rows = measure(
+        args.artifacts, shapes=args.shapes, repeat=args.repeat, warmups=tuple(args.warmup_shapes), onnx=args.onnx
+    )
     print(report(rows))
     print(summary(rows))
     if args.out:

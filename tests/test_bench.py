@@ -356,3 +356,28 @@ def test_the_ab_bench_times_each_side_under_its_own_checkout_in_turn(classifier_
     (tmp_path / "loader" / "__init__.py").write_text("def load(*args, **kwargs):\n    raise ValueError('too old')\n")
     with pytest.raises(SystemExit, match=f"(?s){classifier_artifact} under {tmp_path} failed.*too old"):
         ab.measure([(tmp_path, classifier_artifact)], shapes[:1], rounds=1, seconds=0.05)
+
+
+def test_the_first_call_bench_times_onnx_runtime_s_first_call_at_the_artifact_s_unseen_shapes(
+    classifier_artifact, classifier_profile, tmp_path
+):
+    pytest.importorskip("onnxruntime", reason="the bench extra is not installed")
+    pytest.importorskip("onnxscript", reason="the bench extra is not installed")
+    from bench import firstcall
+    from bench.onnx_export import export_onnx
+    from precompile.profile import load_profile
+    from precompile.stages.resolve import resolve_model
+
+    loaded = load_profile(classifier_profile)
+    said = export_onnx(resolve_model(loaded), loaded.profile, tmp_path / "model.onnx")
+    assert "failed" not in said, said
+    rows = firstcall.measure(
+        [classifier_artifact], shapes=2, repeat=3, warmups=("auto",), onnx=[tmp_path / "model.onnx"]
+    )
+    ours = [r for r in rows if r["warmup"] == "auto"]
+    peer = [r for r in rows if r["warmup"] == "onnxruntime"]
+    assert ours and all("failed" not in r for r in rows), rows
+    assert [r["dims"] for r in peer] == [r["dims"] for r in ours]  # the same unseen shapes
+    assert all(r["threads"] == ours[0]["threads"] and r["warmed"] == ours[0]["warmed"] for r in peer)
+    assert all(r["ratio"] == pytest.approx(r["first_ms"] / r["steady_ms"]) for r in peer)
+    assert "[warm-up: onnxruntime]" in firstcall.summary(rows)

@@ -113,7 +113,8 @@ def resnet18() -> nn.Module:
 class UNet(nn.Module):
     """A hand-written UNet (no library's): three levels of two 3×3 convolutions with batch norm and
     ReLU, max-pooling down, transposed 2×2 convolutions up, skips concatenated, a 1×1 head with 2
-    classes. Sides of any size that 8 divides keep the skips' sizes equal; others are cropped."""
+    classes, logits at the image's size. Where a side is odd at some level, the upsampled map is one
+    pixel short of its skip and padded with zeros (right and bottom), as common UNets do."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
@@ -140,7 +141,8 @@ class UNet(nn.Module):
         x = self.bottom(x)
         for up, merge, skip in zip(self.up, self.merge, reversed(skips)):
             x = up(x)
-            x = merge(torch.cat([skip[:, :, : x.shape[2], : x.shape[3]], x], dim=1))
+            x = nn.functional.pad(x, (0, skip.shape[3] - x.shape[3], 0, skip.shape[2] - x.shape[2]))
+            x = merge(torch.cat([skip, x], dim=1))
         return self.head(x)
 
 
