@@ -241,6 +241,7 @@ def test_a_levels_tuning_trials_record_the_options_it_compiled_with(tmp_path):
         {},
         open_runner=lambda package, device: None,
         measure_unit=lambda runner, unit, shapes: (1.0 + unit.candidate, 0.0),
+        measure_first=lambda runner, unit, fresh: None,
     )
     assert [(t.options["freezing"], t.options["cpp.march"]) for t in result.trials] == [(False, "x86-64-v3")] * 3
     assert result.trials[1].error == "compiles as candidate 0 for x86-64-v3"
