@@ -16,11 +16,16 @@ from click.testing import CliRunner
 from precompile.cli import main
 from precompile.pipeline import BuildResult, build
 
+from . import compile_count
+
 MODELS = Path(__file__).parent / "models" / "tiny.py"
 
 # A developer's build cache must not let the suite's builds skip their compiles: tests that use the
 # cache say so (the build_cache fixture).
 os.environ.pop("PRECOMPILE_BUILD_CACHE", None)
+
+if os.environ.get(compile_count.ENV):  # docs/testing.md: the compiles each file causes
+    compile_count.install()
 
 CLASSIFIER_PROFILE = """
 name: tiny-classifier
