@@ -1,6 +1,7 @@
 """Count the suite's AOTInductor compiles: ``PRECOMPILE_COUNT_COMPILES=FILE pytest ...`` appends one
-line per compile to FILE, ``compile<TAB>the test`` (a session fixture's compile is its first test's),
-and one ``hit<TAB>the test`` per build-cache hit (a compile that was copied, not run). Wall time on a
+line per compile to FILE, ``compile<TAB>the test<TAB>in-process or child`` (a session fixture's
+compile is its first test's; a child: a spawned compile worker, a CLI run as a process), and one
+``hit<TAB>...`` per build-cache hit (a compile that was copied, not run). Wall time on a
 shared host is noisy; the number of compiles a file causes is not (docs/testing.md counts them so).
 
 The count is taken where the work is: ``torch._inductor.aoti_compile_and_package`` (every compile,
@@ -22,45 +23,40 @@ import tempfile
 from pathlib import Path
 
 ENV = "PRECOMPILE_COUNT_COMPILES"
+PID = "COMPILE_COUNT_PID"  # the test process's: a compile elsewhere is a child's (a spawned compile worker, a CLI)
 
 
 def _record(kind: str) -> None:
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    where = "in-process" if os.environ.get(PID) == str(os.getpid()) else "child"
     with open(os.environ[ENV], "a") as f:  # one short write per line: concurrent appends stay whole
-        f.write(f"{kind}\t{test}\n")
+        f.write(f"{kind}\t{test}\t{where}\n")
 
 
-def _count_compiles(module) -> None:
-    compile_ = module.aoti_compile_and_package
-    if getattr(compile_, "counted", False):
+def _counting(module, name: str, kind: str, counts=None) -> None:
+    """Replace ``module.name`` by a function that records ``kind`` for each call (before it, so a
+    compile that fails counts too), or for each whose result ``counts``."""
+    original = getattr(module, name)
+    if getattr(original, "counted", False):
         return
 
-    @functools.wraps(compile_)
+    @functools.wraps(original)
     def counted(*args, **kwargs):
-        _record("compile")
-        return compile_(*args, **kwargs)
+        if counts is None:
+            _record(kind)
+        result = original(*args, **kwargs)
+        if counts is not None and counts(result):
+            _record(kind)
+        return result
 
     counted.counted = True
-    module.aoti_compile_and_package = counted
+    setattr(module, name, counted)
 
 
-def _count_hits(module) -> None:
-    lookup = module.lookup
-    if getattr(lookup, "counted", False):
-        return
-
-    @functools.wraps(lookup)
-    def counted(*args, **kwargs):
-        found = lookup(*args, **kwargs)
-        if found is not None:
-            _record("hit")
-        return found
-
-    counted.counted = True
-    module.lookup = counted
-
-
-PATCHES = {"torch._inductor": _count_compiles, "precompile.build_cache": _count_hits}
+PATCHES = {
+    "torch._inductor": lambda m: _counting(m, "aoti_compile_and_package", "compile"),
+    "precompile.build_cache": lambda m: _counting(m, "lookup", "hit", counts=lambda found: found is not None),
+}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -94,9 +90,12 @@ module.install()
 """
 
 
-def install() -> None:
+def install(*, tests: bool = False) -> None:
     """Count in this process (patching what is imported already, and the rest on import), and in
-    every child that inherits the environment."""
+    every child that inherits the environment. ``tests``: this is a test process (pytest's, or an
+    xdist worker's), so a compile in another is a child's."""
+    if tests:
+        os.environ[PID] = str(os.getpid())
     for name, patch in PATCHES.items():
         if name in sys.modules:
             patch(sys.modules[name])

@@ -25,7 +25,7 @@ MODELS = Path(__file__).parent / "models" / "tiny.py"
 os.environ.pop("PRECOMPILE_BUILD_CACHE", None)
 
 if os.environ.get(compile_count.ENV):  # docs/testing.md: the compiles each file causes
-    compile_count.install()
+    compile_count.install(tests=True)
 
 CLASSIFIER_PROFILE = """
 name: tiny-classifier
