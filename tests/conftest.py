@@ -16,11 +16,16 @@ from click.testing import CliRunner
 from precompile.cli import main
 from precompile.pipeline import BuildResult, build
 
+from . import compile_count
+
 MODELS = Path(__file__).parent / "models" / "tiny.py"
 
 # A developer's build cache must not let the suite's builds skip their compiles: tests that use the
 # cache say so (the build_cache fixture).
 os.environ.pop("PRECOMPILE_BUILD_CACHE", None)
+
+if os.environ.get(compile_count.ENV):  # docs/testing.md: the compiles each file causes
+    compile_count.install(tests=True)
 
 CLASSIFIER_PROFILE = """
 name: tiny-classifier
@@ -74,10 +79,13 @@ def builds(fixture: Callable[..., Any]) -> Callable[..., Any]:
 # 9-minute file of 17 tests to the end). Files known to take a minute or more, their compiles and
 # servers included, go first, longest first (measured on 2026-12-03's 2-core host), so that the
 # other worker drains the short files meanwhile and the run ends with both workers busy. A file
-# missing here only runs later; a file that grows slow belongs on the list.
+# missing here only runs later; a file that grows slow belongs on the list. test_convnets.py (368-512 s)
+# was split in two on 2026-12-04 (docs/testing.md): its halves are placed by their share of it alone
+# (85 s and 64 s of 208 s on their own).
 LONGEST_FIRST = (
-    "test_convnets.py",
     "test_precision.py",
+    "test_prepack.py",
+    "test_convnets.py",
     "test_build.py",
     "test_shard.py",
     "test_ray_executor.py",
@@ -122,6 +130,43 @@ def write_profile(folder: Path, text: str, name: str = "profile.yaml") -> Path:
     path = folder / name
     path.write_text(textwrap.dedent(text))
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_in_the_test_process():
+    """A build that is not given ``jobs`` compiles its variants one after the other in the test's
+    process, as ``--jobs 1`` does, instead of one spawned worker per variant up to the CPUs (the local
+    executor's default, 2 here). Each such worker imports torch and warms Inductor up again, about 6 s
+    of CPU, while the suite's other xdist worker holds the other core anyway: the gray net's fixture
+    (tests/test_prepack.py) takes 31 s of CPU so, 44 s with its two workers. The spawned
+    path stays tested by the builds that ask for ``jobs=2`` (tagger_build, tests/test_build.py,
+    tests/test_api.py); a CLI run as a child process keeps the default."""
+    from precompile.executors import local
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(local, "default_jobs", lambda tasks: 1)
+        yield
+
+
+@pytest.fixture(scope="session")
+def inductor_defaults() -> dict[str, Any]:
+    import torch._inductor.config
+
+    return torch._inductor.config.get_config_copy()
+
+
+@pytest.fixture(autouse=True)
+def inductor_config_restored(compile_in_the_test_process, inductor_defaults):
+    """Inductor's global config as it was at the start of the session after every test. An int8
+    (dynamic) unit's torchao quantization sets some of it for the rest of the process
+    (coordinate_descent_tuning, force_fuse_int_mm_with_mul): compiled in the test's process, it would
+    change every later compile of the worker, and their build-cache keys (the strict gate's bf16 build
+    then compiled again instead of reusing the lowp fixture's)."""
+    yield
+    import torch._inductor.config
+
+    if torch._inductor.config.get_config_copy() != inductor_defaults:
+        torch._inductor.config.load_config(inductor_defaults)
 
 
 @pytest.fixture(scope="session")

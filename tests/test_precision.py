@@ -230,7 +230,8 @@ def test_dynamic_int8_convolutions_reorder_no_weight_per_call(conv_int8, tmp_pat
     # c3's then in a blocking oneDNN wants at no size, c4's and the shortcut's at some (they want two
     # over the range, one at 16² and one at 48², chosen per call, the residual addition fused into
     # one of them), and oneDNN re-lays them (s8 to s8) at every call.
-    from .test_convnets import generated_code, onednn_reorder_lines
+    from .test_convnets import generated_code
+    from .test_prepack import onednn_reorder_lines
 
     (v,) = [v for v in conv_int8.manifest.variants if v.precision == "int8"]
     assert v.gate["kept"]
