@@ -77,13 +77,20 @@ def convolution_weights(package: Path) -> dict[str, tuple[str, bool]]:
     for i, field, value in re.findall(r"constants_info_\[(\d+)\]\.(name|shape|layout) = (.*);", code):
         info.setdefault(i, {})[field] = value
     constants = {v["name"].strip('"'): v for v in info.values()}
-    # Inside a layout branch (a subgraph), a constant reaches the call as a local handle assigned from it.
+    # Inside a layout branch (a subgraph), a constant reaches the call as a local handle assigned from it,
+    # through one handle per level where branches nest (an AMX host's bf16 build nests them).
     aliases = dict((local, const) for const, local in re.findall(r"assign_tensors_out\((\w+), &(\w+)_handle\)", code))
+
+    def constant(name: str) -> str:
+        while name in aliases and name not in constants:
+            name = aliases[name]
+        return name
+
     out = {}
     for weight, groups in re.findall(
         r"aoti_torch_cpu_mkldnn__convolution_pointwise\(\w+, (\w+),(?:[^;]*?\.cbegin\(\), \d+,){3} (\d+)L", code
     ):
-        weight = aliases.get(weight, weight)
+        weight = constant(weight)
         o, i, h, w = (int(n) for n in re.findall(r"\d+", constants[weight]["shape"]))
         g = int(groups)
         dims = f"{o}x{i}x{h}x{w}" if g == 1 else f"{g}x{o // g}x{i}x{h}x{w}"

@@ -34,7 +34,8 @@ inlines as an ``if`` on one byte (``_pick_per_call``). The copies cost their byt
 (ResNet-50 fp32: docs/compile-options.md). The formats are the build host's, probed at one thread and at its
 own count (``probe_threads``: the loader gives a call between the two); at the sizes where those
 want different formats the branch runs on the plain weight (re-laid per call by the jitted reorder,
-as before this pass), never on a packed one in the wrong blocking. A serving host with more threads
+as before this pass), never on a packed one in the wrong blocking; an int8 convolution, which takes
+no plain weight, runs there on the copy packed for its own count (a lone call's: ``settle``). A serving host with more threads
 than the build's may want others at some sizes (then oneDNN reorders there).
 
 ``PrepackConvolutions`` is an Inductor ``post_grad_custom_pre_pass`` (it runs after freezing, before
@@ -148,7 +149,12 @@ def _formats(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: dict[tuple[Any
     key = (node.target, tuple(w.shape), w.dtype, *map(str, (padding, stride, dilation, groups)))
     key += (*(str(s) for s in val.shape), node.target is not CONVOLUTION and node.args[2] != 0)
     if key not in seen:
-        seen[key] = group_by_layout(lambda size: _reorder(w, gm, node, size), probe_sizes(val.shape), probe_threads())
+        seen[key] = group_by_layout(
+            lambda size: _reorder(w, gm, node, size),
+            probe_sizes(val.shape),
+            probe_threads(),
+            settle=node.target is not CONVOLUTION,
+        )
     return seen[key]
 
 
@@ -193,10 +199,20 @@ NONE = Layouts([], [])
 
 
 def group_by_layout(
-    pack: Callable[[list[int]], torch.Tensor], sizes: Iterable[list[int]], threads: Iterable[int] = ()
+    pack: Callable[[list[int]], torch.Tensor],
+    sizes: Iterable[list[int]],
+    threads: Iterable[int] = (),
+    *,
+    settle: bool = False,
 ) -> Layouts:
     """``sizes`` grouped by how ``pack`` lays a weight out for them at each of ``threads`` (OpenMP
-    thread counts, as oneDNN's choice depends on them; none: the current count only)."""
+    thread counts, as oneDNN's choice depends on them; none: the current count only). ``settle``:
+    a size the thread counts disagree on joins the group of the format the most threads want (a
+    lone call's), nothing is left mixed: for the int8 convolutions, whose op takes no plain weight,
+    so that a mixed size's only other weight is Inductor's copy packed for no size, which oneDNN
+    re-lays at every call at any thread count (on an AMX Xeon at 2 threads, a 1024×256 1×1 int8
+    convolution at 1×3×16² images: ``AcdB64a4b`` to ``AcdB32a4b`` per call); settled, it is re-laid
+    only in calls run on fewer threads."""
     sizes = list(sizes)
     threads = list(threads)
     before = torch.get_num_threads()
@@ -210,8 +226,8 @@ def group_by_layout(
     groups: dict[bytes, list[list[int]]] = {}
     mixed = []
     for key, size in zip(keys, sizes):
-        if len(set(key)) == 1:
-            groups.setdefault(key[0], []).append(size)
+        if len(set(key)) == 1 or settle:
+            groups.setdefault(key[-1], []).append(size)
         else:
             mixed.append(size)
     return Layouts(list(groups.values()), mixed)
