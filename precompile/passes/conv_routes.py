@@ -31,7 +31,8 @@ import torch._refs
 
 aten = torch.ops.aten
 
-CONV2DS = (aten.conv2d.default, aten.convolution.default)
+# conv2d.padding: a string padding ("valid", "same"), as transformers' EfficientNet writes all 81 of its.
+CONV2DS = (aten.conv2d.default, aten.conv2d.padding, aten.convolution.default)
 KEPT_META = ("stack_trace", "nn_module_stack")
 
 
@@ -60,7 +61,8 @@ class _Builder:
 
 def _conv_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] | None:
     """A 2-d, not transposed convolution's arguments, its stride, padding and dilation as pairs of
-    ints; None for anything else (a string padding other than "valid", a 1-d or 3-d one)."""
+    ints (a string padding as the pair it means: "valid" none, "same" half the dilated kernel where
+    that is the same on both sides); None for anything else (an uneven "same", a 1-d or 3-d one)."""
     if node.op != "call_function" or node.target not in CONV2DS:
         return None
     bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
@@ -69,8 +71,11 @@ def _conv_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] 
     kw = dict(bound.kwargs)
     if kw.get("transposed", False):
         return None
+    padding = kw.get("padding", 0)
     for key, default in (("stride", 1), ("padding", 0), ("dilation", 1)):
         value = kw.get(key, default)
+        if key == "padding" and isinstance(value, str):
+            continue
         value = list(value) if isinstance(value, (list, tuple)) else [value]
         if len(value) == 1:
             value = value * 2
@@ -81,6 +86,14 @@ def _conv_args(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict[str, Any] 
     vals = [getattr(kw[k], "meta", {}).get("val") for k in ("input", "weight")]
     if not all(isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == torch.float32 for v in vals):
         return None
+    if isinstance(padding, str):
+        reach = [d * (k - 1) for d, k in zip(kw["dilation"], vals[1].shape[2:])]  # the dilated kernel's extent - 1
+        if padding == "valid":
+            kw["padding"] = [0, 0]
+        elif padding == "same" and all(r % 2 == 0 for r in reach):  # torch allows "same" at stride 1 only
+            kw["padding"] = [r // 2 for r in reach]
+        else:
+            return None
     if kw["weight"].op not in ("placeholder", "get_attr"):
         return None  # a quantized weight (dequantized in the graph): Inductor's int8 patterns want the conv
     return kw
