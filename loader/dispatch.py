@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import GuardError
 from .manifest import Manifest, Variant
-from .opening import OnDemand
+from .opening import OnDemand, Opener
 from .outputs import unflatten
 from .policy import ArrayOps, Plan, Policies
 from .precision import Choice
@@ -64,7 +64,7 @@ class ServedModel:
         self._warm = threading.local()  # .done: this thread ran warmup() (warm_thread)
         self.warmup_shapes = DEFAULT_WARMUP_SHAPES  # which shapes warm_variant runs (loader.warmup)
         self.warmed: dict[str, list[dict[str, int]]] = {}  # the sizes each variant's last warm-up ran
-        self.opening: threading.Thread | None = None  # opens the variants not open yet (loader.opening)
+        self.opening: Opener | None = None  # opens the variants not open yet (loader.opening)
         self.reset_stats()
 
     def _index_tables(self) -> None:
@@ -255,7 +255,11 @@ class ServedModel:
         """Free every variant's compiled model now: its container deleted and its library closed,
         where the runner can (the C entry points' runners: every torch-free one, and ``loader.load``'s
         CPU variants); a variant not open yet is never opened. Calls after this raise. The weights'
-        memory goes with the last reference to this object. Runs once the calls in flight are done."""
+        memory goes with the last reference to this object. Runs once the calls in flight are done,
+        and once the background opener (``load(open="background")``) has finished the step it was in:
+        an open or a warm-up running compiled code on these containers."""
+        if self.opening is not None:
+            self.opening.stop()
         for runner in self._runners.values():
             if isinstance(runner, OnDemand):
                 runner.close(_close_runner)

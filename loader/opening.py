@@ -187,10 +187,32 @@ def open_variants(ids: list[str], open_one: Callable[[str], Any], mode: str) -> 
     return runners, pending
 
 
-def start_background(pending: list[OnDemand], warm: Callable[[str], None], name: str) -> threading.Thread | None:
+class Opener:
+    """The thread ``start_background`` runs, and the means to stop it between two of its steps."""
+
+    def __init__(self, thread: threading.Thread, stop: threading.Event):
+        self.thread, self._stop = thread, stop
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop it after the step it is in (an open or a warm-up: compiled code running on the
+        model's containers) and wait for that step, so that the model can free them; from the
+        opener thread itself (a warm-up that closes its model), only ask."""
+        self._stop.set()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+
+def start_background(pending: list[OnDemand], warm: Callable[[str], None], name: str) -> Opener | None:
     """Open and warm each of ``pending`` in a daemon thread of lower CPU priority; a variant that
     fails is logged, and refused when called. At interpreter exit the thread is stopped between two
-    steps and waited for, so no compiled code runs while the process tears down its libraries."""
+    steps and waited for, so no compiled code runs while the process tears down its libraries; a
+    model's ``close()`` does the same for its own (``Opener.stop``)."""
     if not pending:
         return None
     stop = threading.Event()
@@ -218,7 +240,7 @@ def start_background(pending: list[OnDemand], warm: Callable[[str], None], name:
         _openers[:] = [(s, t) for s, t in _openers if t.is_alive()]  # those done: nothing to stop
         _openers.append((stop, thread))
     thread.start()
-    return thread
+    return Opener(thread, stop)
 
 
 _openers: list[tuple[threading.Event, threading.Thread]] = []

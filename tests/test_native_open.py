@@ -106,6 +106,35 @@ def test_a_package_not_opened_is_not_read(tagger_build, kind, tmp_path):
         LOADERS[kind](path, open="eager")
 
 
+@pytest.mark.parametrize("kind", LOADERS)
+def test_close_waits_for_the_background_warm_up_it_interrupts_and_stops_the_opener(tagger_build, kind, monkeypatch):
+    """A model closed while its opener thread runs a variant's warm-up (compiled code on the model's
+    containers) frees them only once that warm-up is done, and the opener opens nothing after it."""
+    import threading
+    import time
+
+    from loader.dispatch import ServedModel
+
+    inside, steps = threading.Event(), []
+    warm = ServedModel.warm_variant
+
+    def slow_warm(self, variant_id):
+        steps.append(("start", variant_id))
+        inside.set()
+        time.sleep(0.5)  # the close() below arrives in here
+        warm(self, variant_id)
+        steps.append(("end", variant_id))
+
+    monkeypatch.setattr(ServedModel, "warm_variant", slow_warm)
+    model = LOADERS[kind](tagger_build.path)
+    assert inside.wait(60)
+    model.close()
+    assert steps[-1][0] == "end"  # close() came back after the warm-up it interrupted, not during it
+    assert not model.opening.is_alive()
+    assert len(steps) == 2  # one warm-up, none after the close
+    assert [model.is_open(v.id) for v in model.variants].count(True) == 2  # the first, and the one warmed
+
+
 def test_an_unknown_open_mode_is_refused(tagger_build):
     with pytest.raises(ValueError, match="open='soon': expected one of eager, background, lazy"):
         loader.load_native(tagger_build.path, open="soon")
