@@ -67,7 +67,7 @@ def setup(method: str, spec: dict, profile) -> tuple[Serve, dict]:
     if method.startswith("precompile-"):
         import loader
 
-        model = loader.load(spec["artifacts"][method])
+        model = loader.load(spec["artifacts"][method], open="eager")  # warmed whole before it returns
         model.warmup()
         return (lambda args, sizes: model(*args)), {"variants": [v.id for v in model.variants], "model": model}
     module = build_module(spec)

@@ -47,7 +47,11 @@ class Staged:
     def _open(self, device: str, *, fp32: bool, isa: str) -> loader.CompiledModel:
         if (device, fp32, isa) not in self._opened:
             precision = {"precision": "fp32"} if fp32 else {}
-            self._opened[(device, fp32, isa)] = loader.load(self.folder, device=device, cpu_isa=isa, **precision)
+            # eager: every variant opened and warmed before load() returns, none in a background
+            # thread while the build times them (the gate, the static variants' measure)
+            self._opened[(device, fp32, isa)] = loader.load(
+                self.folder, device=device, cpu_isa=isa, open="eager", **precision
+            )
         return self._opened[(device, fp32, isa)]
 
 
