@@ -9,10 +9,8 @@ only one variant. So:
 
 - ``"eager"``: every variant is opened (and warmed, with ``warmup``) before ``load()`` returns.
 - ``"background"`` (the default): the first variant (the manifest's first served, whose hint is the
-  likeliest first call) is opened and warmed on its hint before ``load()`` returns; a thread of lower
-  CPU priority then runs its other warm-up shapes (the largest of its ranges and its traffic's,
-  ``loader.warmup``: seconds for a large convnet, which a cold start no longer waits for), and opens
-  and warms the others, one after the other.
+  likeliest first call) is opened and warmed before ``load()`` returns; a thread of lower CPU
+  priority then opens and warms the others, one after the other.
 - ``"lazy"``: the first variant as above; each other one is opened by the first call that needs it.
 
 Either way a call that lands on a variant not open yet waits for it (opening it itself, or waiting
@@ -117,16 +115,14 @@ def open_model(
     with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
         model, pending = build(opened)
         model.warmup_shapes = options.warmup_shapes
-        background = options.open == "background"
         if options.warmup:
             try:
-                model.warmup(hint_only=background)
+                model.warmup()
             except warmup_errors as e:
                 raise ArtifactError(f"{opened.root}: the warm-up call failed: {first_line(e)}") from e
         opened.loaded()
-    if background:
-        rest = [v for v in model.warmed if options.warmup]  # the variants warmed on their hint alone
-        model.opening = start_background(pending, model.warm_variant, str(opened.root), rest, model.warm_rest)
+    if options.open == "background":
+        model.opening = start_background(pending, model.warm_variant, str(opened.root))
     return model
 
 
@@ -212,32 +208,17 @@ class Opener:
             self.thread.join()
 
 
-def start_background(
-    pending: list[OnDemand],
-    warm: Callable[[str], None],
-    name: str,
-    rest: Iterable[str] = (),
-    warm_rest: Callable[[str], None] | None = None,
-) -> Opener | None:
-    """In a daemon thread of lower CPU priority: the rest of the warm-up of the variants ``rest``
-    names (open, warmed on their hint: ``warm_rest``), then open and warm each of ``pending``; a
-    variant that fails is logged, and refused when called. At interpreter exit the thread is stopped
-    between two steps and waited for, so no compiled code runs while the process tears down its libraries;
-    a model's ``close()`` does the same for its own (``Opener.stop``)."""
-    rest = list(rest) if warm_rest is not None else []
-    if not pending and not rest:
+def start_background(pending: list[OnDemand], warm: Callable[[str], None], name: str) -> Opener | None:
+    """Open and warm each of ``pending`` in a daemon thread of lower CPU priority; a variant that
+    fails is logged, and refused when called. At interpreter exit the thread is stopped between two
+    steps and waited for, so no compiled code runs while the process tears down its libraries; a
+    model's ``close()`` does the same for its own (``Opener.stop``)."""
+    if not pending:
         return None
     stop = threading.Event()
 
     def work() -> None:
         lower_priority()  # the first calls get the CPUs before it
-        for vid in rest:
-            if stop.is_set():
-                return
-            try:
-                warm_rest(vid)
-            except Exception as e:  # noqa: BLE001 -- a warm-up shape is no call: the variant serves on
-                log.warning("%s: variant %r: a warm-up call failed: %s", name, vid, first_line(e))
         for runner in pending:
             if stop.is_set():
                 return

@@ -157,8 +157,7 @@ def test_dynamic_convolutions_reorder_no_packed_weight_at_any_shape(gray, tmp_pa
 
 WARM_THREADS = """
 import sys, threading, loader
-model = loader.load(sys.argv[1], precision="fp32")  # warms this thread up (its hint; the rest behind it)
-model.wait_opened()
+model = loader.load(sys.argv[1], precision="fp32")  # warms this thread up
 for where in ("main", "main", "new thread"):
     print(f"=== {where}", flush=True)
     if where == "main":
