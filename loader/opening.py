@@ -199,11 +199,15 @@ class Opener:
     def is_alive(self) -> bool:
         return self.thread.is_alive()
 
+    def ask(self) -> None:
+        """Ask it to stop after the step it is in."""
+        self._stop.set()
+
     def stop(self) -> None:
         """Stop it after the step it is in (an open or a warm-up: compiled code running on the
         model's containers) and wait for that step, so that the model can free them; from the
         opener thread itself (a warm-up that closes its model), only ask."""
-        self._stop.set()
+        self.ask()
         if threading.current_thread() is not self.thread:
             self.thread.join()
 
@@ -237,13 +241,14 @@ def start_background(pending: list[OnDemand], warm: Callable[[str], None], name:
             # hook then): atexit runs hooks last-registered first, so this one runs before those.
             atexit.register(_stop_openers)
             _exit_registered = True
-        _openers[:] = [(s, t) for s, t in _openers if t.is_alive()]  # those done: nothing to stop
-        _openers.append((stop, thread))
+        _openers[:] = [o for o in _openers if o.is_alive()]  # those done: nothing to stop
+        opener = Opener(thread, stop)
+        _openers.append(opener)
     thread.start()
-    return Opener(thread, stop)
+    return opener
 
 
-_openers: list[tuple[threading.Event, threading.Thread]] = []
+_openers: list[Opener] = []
 _openers_lock = threading.Lock()
 _exit_registered = False
 
@@ -251,7 +256,7 @@ _exit_registered = False
 def _stop_openers() -> None:
     with _openers_lock:
         openers = list(_openers)
-    for stop, _ in openers:
-        stop.set()
-    for _, thread in openers:
-        thread.join()
+    for opener in openers:  # all asked first, so they stop together
+        opener.ask()
+    for opener in openers:
+        opener.stop()
