@@ -64,6 +64,7 @@ class ServedModel:
         self._warm = threading.local()  # .done: this thread ran warmup() (warm_thread)
         self.warmup_shapes = DEFAULT_WARMUP_SHAPES  # which shapes warm_variant runs (loader.warmup)
         self.warmed: dict[str, list[dict[str, int]]] = {}  # the sizes each variant's last warm-up ran
+        self._hint_seconds: dict[str, float] = {}  # each variant's hint call in its last warm-up
         self.opening: Opener | None = None  # opens the variants not open yet (loader.opening)
         self.reset_stats()
 
@@ -213,30 +214,39 @@ class ServedModel:
             self._shapes = {}
             self._shapes_dropped = 0
 
-    def warmup(self) -> None:
+    def warmup(self, *, hint_only: bool = False) -> None:
         """Run every open variant once on its hint shape, so the first real request meets warm code
-        (a variant still to be opened, ``load(open=...)``, is warmed as it is opened). Warm-up calls are
-        not counted in ``stats()``."""
+        (a variant still to be opened, ``load(open=...)``, is warmed as it is opened), then on the
+        shapes ``warmup_shapes`` adds, unless ``hint_only`` (``warm_rest`` runs those later: a load in
+        the background mode). Warm-up calls are not counted in ``stats()``."""
         for v in self._variants:
             if self.is_open(v.id):
-                self.warm_variant(v.id)
+                self.warm_variant(v.id, hint_only=hint_only)
         self._warm.done = True
 
-    def warm_variant(self, variant_id: str) -> None:
+    def warm_variant(self, variant_id: str, *, hint_only: bool = False) -> None:
         """Run one variant once on its hint shape (opening it first if it is not open yet), then, as
-        ``warmup_shapes`` says, on the largest shape of its ranges (``loader.warmup``); ``warmed``
-        records the sizes run."""
+        ``warmup_shapes`` says and unless ``hint_only``, the shapes after it (``warm_rest``);
+        ``warmed`` records the sizes run."""
         variant = next(v for v in self._variants if v.id == variant_id)
         runner = self._runners[variant_id]
         if isinstance(runner, OnDemand):
             runner.get()  # opened first, so that the hint's time below is the call's alone
         start = time.perf_counter()
         self.run_variant(variant_id, *self.example_inputs(variant))
-        ran = [dict(variant.hint)]
-        for sizes in after_hint(variant, self.warmup_shapes, time.perf_counter() - start):
+        self._hint_seconds[variant_id] = time.perf_counter() - start
+        self.warmed[variant_id] = [dict(variant.hint)]
+        if not hint_only:
+            self.warm_rest(variant_id)
+
+    def warm_rest(self, variant_id: str) -> None:
+        """Run a variant whose hint ran (``warm_variant``) on the shapes ``warmup_shapes`` warms after
+        the hint: the largest shape of its ranges and its traffic's, within the budget its hint's time
+        sets (``loader.warmup.after_hint``); each is added to ``warmed`` as it ran."""
+        variant = next(v for v in self._variants if v.id == variant_id)
+        for sizes in after_hint(variant, self.warmup_shapes, self._hint_seconds.get(variant_id, 0.0)):
             self.run_variant(variant_id, *self.example_inputs(variant, sizes))
-            ran.append(sizes)
-        self.warmed[variant_id] = ran
+            self.warmed[variant_id] = [*self.warmed.get(variant_id, []), sizes]
 
     def is_open(self, variant_id: str) -> bool:
         """Whether the variant's compiled code is open (``load(open=...)`` may leave some for later)."""
@@ -245,7 +255,8 @@ class ServedModel:
 
     def wait_opened(self, timeout: float | None = None) -> bool:
         """Wait for the background opener (``load(open="background")``), at most ``timeout`` seconds;
-        True once it has no variant left to open (a variant it could not open is refused when called)."""
+        True once it has no variant left to open or warm (a variant it could not open is refused when
+        called)."""
         if self.opening is not None:
             self.opening.join(timeout)
             return not self.opening.is_alive()

@@ -80,15 +80,16 @@ class CompiledModel(ServedModel):
         )
         super().__init__(root, manifest, weights, runners, guard, TORCH_OPS, digest=digest, precision=precision)
 
-    def warmup(self) -> None:
-        """Run every variant once on its hint shape, so the first real request meets warm code.
+    def warmup(self, *, hint_only: bool = False) -> None:
+        """Run every variant once on its hint shape, so the first real request meets warm code, then
+        on the shapes ``warmup_shapes`` adds unless ``hint_only`` (``ServedModel.warmup``).
 
         On CUDA, with ``cuda_graphs`` in the profile, this also captures one CUDA graph per static
         variant; later calls of that shape replay it. Warm-up calls are not counted in ``stats()``.
         """
         graphs = self.device_type == "cuda" and self.manifest.cuda is not None and self.manifest.cuda.cuda_graphs
         if not graphs:
-            return super().warmup()
+            return super().warmup(hint_only=hint_only)
         for v in self._variants:
             args = self.example_inputs(v)
             self.run_variant(v.id, *args)

@@ -9,8 +9,10 @@ only one variant. So:
 
 - ``"eager"``: every variant is opened (and warmed, with ``warmup``) before ``load()`` returns.
 - ``"background"`` (the default): the first variant (the manifest's first served, whose hint is the
-  likeliest first call) is opened and warmed before ``load()`` returns; a thread of lower CPU
-  priority then opens and warms the others, one after the other.
+  likeliest first call) is opened and warmed on its hint before ``load()`` returns; a thread of lower
+  CPU priority then runs its other warm-up shapes (the largest of its ranges and its traffic's,
+  ``loader.warmup``: seconds for a large convnet, which a cold start no longer waits for), and opens
+  and warms the others, one after the other.
 - ``"lazy"``: the first variant as above; each other one is opened by the first call that needs it.
 
 Either way a call that lands on a variant not open yet waits for it (opening it itself, or waiting
@@ -26,6 +28,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -115,14 +118,16 @@ def open_model(
     with opened:  # holds the rollback ledger's lock, with refuse_rollback, until the version is recorded
         model, pending = build(opened)
         model.warmup_shapes = options.warmup_shapes
+        background = options.open == "background"
         if options.warmup:
             try:
-                model.warmup()
+                model.warmup(hint_only=background)
             except warmup_errors as e:
                 raise ArtifactError(f"{opened.root}: the warm-up call failed: {first_line(e)}") from e
         opened.loaded()
-    if options.open == "background":
-        model.opening = start_background(pending, model.warm_variant, str(opened.root))
+    if background:
+        rest = [v for v in model.warmed if options.warmup]  # the variants warmed on their hint alone
+        model.opening = start_background(pending, model.warm_variant, str(opened.root), rest, model.warm_rest)
     return model
 
 
@@ -212,17 +217,32 @@ class Opener:
             self.thread.join()
 
 
-def start_background(pending: list[OnDemand], warm: Callable[[str], None], name: str) -> Opener | None:
-    """Open and warm each of ``pending`` in a daemon thread of lower CPU priority; a variant that
-    fails is logged, and refused when called. At interpreter exit the thread is stopped between two
-    steps and waited for, so no compiled code runs while the process tears down its libraries; a
-    model's ``close()`` does the same for its own (``Opener.stop``)."""
-    if not pending:
+def start_background(
+    pending: list[OnDemand],
+    warm: Callable[[str], None],
+    name: str,
+    rest: Iterable[str] = (),
+    warm_rest: Callable[[str], None] | None = None,
+) -> Opener | None:
+    """In a daemon thread of lower CPU priority: the rest of the warm-up of the variants ``rest``
+    names (open, warmed on their hint: ``warm_rest``), then open and warm each of ``pending``; a
+    variant that fails is logged, and refused when called. At interpreter exit the thread is stopped
+    between two steps and waited for, so no compiled code runs while the process tears down its libraries;
+    a model's ``close()`` does the same for its own (``Opener.stop``)."""
+    rest = list(rest) if warm_rest is not None else []
+    if not pending and not rest:
         return None
     stop = threading.Event()
 
     def work() -> None:
         lower_priority()  # the first calls get the CPUs before it
+        for vid in rest:
+            if stop.is_set():
+                return
+            try:
+                warm_rest(vid)
+            except Exception as e:  # noqa: BLE001 -- a warm-up shape is no call: the variant serves on
+                log.warning("%s: variant %r: a warm-up call failed: %s", name, vid, first_line(e))
         for runner in pending:
             if stop.is_set():
                 return
@@ -251,6 +271,18 @@ def start_background(pending: list[OnDemand], warm: Callable[[str], None], name:
 _openers: list[Opener] = []
 _openers_lock = threading.Lock()
 _exit_registered = False
+
+
+def wait_openers(timeout: float | None = None) -> bool:
+    """Wait, at most ``timeout`` seconds in all, for every background opener of this process
+    (``load(open="background")``: the other variants and the rest of the warm-up); True once none
+    runs. For a process that changes files under its models, or measures, after loading them."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _openers_lock:
+        openers = list(_openers)
+    for opener in openers:
+        opener.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(o.is_alive() for o in openers)
 
 
 def _stop_openers() -> None:

@@ -169,6 +169,17 @@ def inductor_config_restored(compile_in_the_test_process, inductor_defaults):
         torch._inductor.config.load_config(inductor_defaults)
 
 
+@pytest.fixture(autouse=True)
+def background_openers_done():
+    """No model's background opener (``load(open="background")``: its other variants and the rest
+    of its warm-up) runs on into the next test: a test that changes files under a model it loaded,
+    or counts threads, mapped libraries or time, sees only its own."""
+    yield
+    import loader.opening
+
+    assert loader.opening.wait_openers(300), "a background opener still runs 5 minutes after its test"
+
+
 @pytest.fixture(scope="session")
 def build_cache(tmp_path_factory) -> Path:
     """The session's build cache (``precompile.build_cache``): builds that compile what another

@@ -49,6 +49,22 @@ def test_the_background_opener_warms_the_same_shapes(tagger_build):
     assert model.warmed == eager.warmed
 
 
+def test_the_background_mode_returns_after_the_hint_and_warms_the_rest_behind_it(tagger_build, monkeypatch):
+    import threading
+
+    import loader.opening
+
+    release = threading.Event()
+    monkeypatch.setattr(loader.opening, "lower_priority", lambda: release.wait(60))  # the thread holds here
+    model = loader.load(tagger_build.path, warmup_shapes="range")  # open="background", the default
+    first = next(iter(model.warmed))
+    assert model.warmed == {first: [model.variants[0].hint]}  # load() ran the first variant's hint alone
+    assert not model.wait_opened(0.05)
+    release.set()
+    assert model.wait_opened(60)
+    assert model.warmed == loader.load(tagger_build.path, open="eager", warmup_shapes="range").warmed
+
+
 def test_warming_the_largest_shape_changes_no_output(tagger_build):
     cold = loader.load(tagger_build.path, open="eager", warmup=False)
     warm = loader.load(tagger_build.path, open="eager", warmup_shapes="range")

@@ -202,13 +202,13 @@ def test_load_warms_every_variant_unless_told_not_to(tagger_build, monkeypatch):
     real = loader.CompiledModel.warmup
     runs = []
 
-    def watched(self):
+    def watched(self, **options):
         runs.append(threading.get_ident())
         variants_run = []
         original = self.run_variant
         self.run_variant = lambda vid, *a: (variants_run.append(vid), original(vid, *a))[1]
         try:
-            real(self)
+            real(self, **options)
         finally:
             del self.run_variant
         runs.append(tuple(variants_run))

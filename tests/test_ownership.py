@@ -33,8 +33,9 @@ def packed(classifier_artifact, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cache(packed, tmp_path) -> Path:
-    """A cache holding the pack's entry, installed by a load."""
-    loader.load(packed, cache_dir=tmp_path / "cache")
+    """A cache holding the pack's entry, installed by a load (closed: the tests change the entry's
+    files, which a model still warming up in its background opener reads)."""
+    loader.load(packed, cache_dir=tmp_path / "cache").close()
     return tmp_path / "cache"
 
 
@@ -101,7 +102,7 @@ def test_a_planted_entry_with_a_forged_record_of_another_user_is_refused(packed,
     signed = Path(shutil.copy(packed, tmp_path / "signed.tar.zst"))
     sign(signed, signing_keys[0])
     cache = tmp_path / "cache"
-    loader.load(signed, cache_dir=cache, trusted_keys=[signing_keys[1]])
+    loader.load(signed, cache_dir=cache, trusted_keys=[signing_keys[1]]).close()  # closed before plant()
     plant(cache, signed, record_owner=OTHER)
     with pytest.raises(InsecurePathError, match="a precompile cache record is owned by uid 12345"):
         loader.load(signed, cache_dir=cache, trusted_keys=[signing_keys[1]])

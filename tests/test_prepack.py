@@ -157,7 +157,8 @@ def test_dynamic_convolutions_reorder_no_packed_weight_at_any_shape(gray, tmp_pa
 
 WARM_THREADS = """
 import sys, threading, loader
-model = loader.load(sys.argv[1], precision="fp32")  # warms this thread up
+model = loader.load(sys.argv[1], precision="fp32")  # warms this thread up (its hint; the rest behind it)
+model.wait_opened()
 for where in ("main", "main", "new thread"):
     print(f"=== {where}", flush=True)
     if where == "main":

@@ -282,7 +282,7 @@ def test_the_index_names_the_signing_key(s3, classifier_pack, signing_keys, tmp_
 
 def test_a_damaged_cache_entry_is_downloaded_again(s3, classifier_pack, downloads):
     pushed = push(classifier_pack, STORE)
-    loader.load(pushed.url)
+    loader.load(pushed.url).close()  # closed: its entry is changed below
     (entry,) = Cache(s3.root.parent / "cache").entries()
     weights = entry.path / "weights.safetensors"
     os.chmod(entry.path, 0o755)
