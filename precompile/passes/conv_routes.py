@@ -200,6 +200,7 @@ def _loop_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]
     # Tap (i, j) reads the padded input from (i, j) on, every step-th pixel, up to k - 1 - i short of
     # its end: as many windows as the convolution has, at any size, with no arithmetic on the sizes.
     padded = b(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0) if ph or pw else x
+    padded = _realized_channels_last(b, padded, channels)
     # The taps tap-major, each a contiguous row over the channels (freezing folds the copy): a tap read
     # from the [C, 1, k, k] weight itself would be a gather with stride k² in the vectorised loop.
     taps = b(
@@ -217,6 +218,18 @@ def _loop_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]
         total = b(aten.add.Tensor, total, b(aten.view.default, shift, [1, channels, 1, 1]))
     _replace(gm, node, folded[0] if folded else None, total)
     return True
+
+
+def _realized_channels_last(b: _Builder, x: torch.fx.Node, channels: int) -> torch.fx.Node:
+    """``x`` written once to a channels-last buffer: each of the k² taps then reads it with a plain
+    load, instead of recomputing ``x``'s producer (its pad's bounds checks, the previous layer's
+    epilogue) k² times in the loop (Inductor inlines a pointwise producer into each reader)."""
+    import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_force_stride_order
+
+    h, w = (b(aten.sym_size.int, x, axis) for axis in (2, 3))
+    row = b(operator.mul, w, channels)
+    strides = [b(operator.mul, h, row), 1, row, channels]
+    return b(torch.ops.prims.inductor_force_stride_order.default, x, strides)
 
 
 ROUTES = {"conv1x1_as_gemm": _gemm_conv, "depthwise_as_loops": _loop_conv}
