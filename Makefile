@@ -11,11 +11,9 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 venv: $(STAMP)
 
-# --no-compile: pip writes no bytecode for the 2 GB it installs (half a minute of a fresh clone's two);
-# Python compiles the modules a process imports on its first import and keeps them in __pycache__.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: venv
@@ -52,7 +50,7 @@ triton:
 venv-bench: $(BENCH_STAMP)
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml constraints.txt
-	$(PY) -m pip install --quiet --no-compile --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
 
 # Full run (about 30 minutes on 2 cores, on a quiet machine): results into bench/results/.
