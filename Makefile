@@ -11,9 +11,26 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 venv: $(STAMP)
 
+# The installer: uv (pinned in constraints.txt, installed into .venv by pip) puts the same pinned set
+# in place, bytecode compiled, in 48 s on a fresh 2-core machine against pip's 108 s. uv reads no
+# pip.conf: it is given pip's find-links (pip's configuration and PIP_FIND_LINKS: where this machine
+# type keeps its CPU torch wheel) and reads UV_INDEX_URL / UV_EXTRA_INDEX_URL for a mirror;
+# `make venv INSTALLER=pip` installs with pip and its configuration instead.
+INSTALLER ?= uv
+ifeq ($(INSTALLER),pip)
+INSTALL = $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+else
+FIND_LINKS = $(sort $(shell $(PY) -m pip config get global.find-links 2>/dev/null) $(PIP_FIND_LINKS))
+INSTALL = $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -c constraints.txt \
+	$(foreach links,$(FIND_LINKS),--find-links $(links))
+endif
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+ifneq ($(INSTALLER),pip)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt uv
+endif
+	$(INSTALL) -e '.[dev]'
 	touch $(STAMP)
 
 demo: venv
@@ -50,7 +67,7 @@ triton:
 venv-bench: $(BENCH_STAMP)
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml constraints.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
+	$(INSTALL) -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
 
 # Full run (about 30 minutes on 2 cores, on a quiet machine): results into bench/results/.
