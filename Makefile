@@ -15,15 +15,16 @@ venv: $(STAMP)
 # in place, bytecode compiled, in 48 s on a fresh 2-core machine against pip's 108 s. uv reads no
 # pip.conf: it is given pip's find-links (pip's configuration and PIP_FIND_LINKS: where this machine
 # type keeps its CPU torch wheel) and pip's index (PIP_INDEX_URL or pip's configuration: a mirror)
-# unless UV_INDEX_URL / UV_DEFAULT_INDEX name one. Where uv cannot be installed or cannot install the
+# unless UV_INDEX_URL / UV_DEFAULT_INDEX name one (read through $(PYTHON)'s pip: make expands a
+# recipe before its first line creates the venv). Where uv cannot be installed or cannot install the
 # set, pip installs it, saying so; `make venv INSTALLER=pip` uses pip alone.
 INSTALLER ?= uv
 PIP_INSTALL = $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 ifeq ($(INSTALLER),pip)
 INSTALL = $(PIP_INSTALL)
 else
-FIND_LINKS = $(sort $(shell $(PY) -m pip config get global.find-links 2>/dev/null) $(PIP_FIND_LINKS))
-INDEX_URL = $(if $(UV_INDEX_URL)$(UV_DEFAULT_INDEX),,$(or $(PIP_INDEX_URL),$(shell $(PY) -m pip config get global.index-url 2>/dev/null)))
+FIND_LINKS = $(sort $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null) $(PIP_FIND_LINKS))
+INDEX_URL = $(if $(UV_INDEX_URL)$(UV_DEFAULT_INDEX),,$(or $(PIP_INDEX_URL),$(shell $(PYTHON) -m pip config get global.index-url 2>/dev/null)))
 UV_INSTALL = $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -c constraints.txt \
 	$(if $(INDEX_URL),--index-url $(INDEX_URL)) $(foreach links,$(FIND_LINKS),--find-links $(links))
 INSTALL = venv_install() { $(UV_INSTALL) "$$@" || { echo "make venv: uv could not install it; pip does (INSTALLER=pip)"; \
