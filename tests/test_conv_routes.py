@@ -160,11 +160,13 @@ def _primitives(package: Path) -> int:
 def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, nn.Module]]:
     """The model compiled with every route (one compile: without routes each of its 8 convolutions
     would create a primitive, one per convolution of the exported graph, test_routes_rewrite_...)."""
+    from precompile.options import unit_options
     from precompile.stages.compile import compile_package
 
     m = _model()
     path = tmp_path_factory.mktemp("routed") / "model.pt2"
-    compile_package(_export(m), path, options={"freezing": True, "conv_routes": list(conv_routes.ROUTES)}, device="cpu")
+    options = unit_options({"freezing": True, "conv_routes": list(conv_routes.ROUTES)})  # as a build's unit gets them
+    compile_package(_export(m), path, options=options, device="cpu")
     return {"routed": (path, m)}
 
 

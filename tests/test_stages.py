@@ -318,7 +318,11 @@ def test_every_variants_first_candidate_comes_first_and_lower_precisions_compile
         ("dynamic", 1, "dynamic.c1.pt2"),
         ("static-0", 1, "static-0.c1.pt2"),
     ]
-    assert tasks[2].options == {"cpp.dynamic_threads": True, "freezing": True}
+    assert tasks[2].options == {
+        "cpp.dynamic_threads": True,
+        "aot_inductor.enable_line_tables": False,
+        "freezing": True,
+    }  # fmt: skip
     assert [t.file for t in compile_tasks([DYNAMIC], [{}])] == ["dynamic.pt2"]
 
 

@@ -26,7 +26,7 @@ from loader.aoti import open_package
 from .. import build_cache, standalone
 from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
-from ..options import CONV_ROUTES, WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
+from ..options import CONV_ROUTES, DEFAULTS, WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
 from ..passes import convnets
 from ..units import CompiledPackage
 
@@ -57,7 +57,7 @@ def compile_package(
     options = with_kind_defaults(options, convnets.model_kind(ep))  # convnets: frozen unless told otherwise
     routes = tuple(options.pop(CONV_ROUTES, ()))
     embedded = embeds_constants(options, device)
-    configs = {**options} if embedded else {**options, **WEIGHTS_OUT}
+    configs = _known_defaults({**options} if embedded else {**options, **WEIGHTS_OUT})
     if prepacks_convolutions(options, device):  # Inductor packs only static ones (precompile.passes.prepack)
         configs["post_grad_custom_pre_pass"] = PrepackConvolutions()
     if device == "cuda" and multi_arch:
@@ -94,6 +94,15 @@ def compile_package(
     return CompiledPackage(
         out, constants, dict(runner.get_metadata()), embedded, shim is not None, not_standalone, hit is not None
     )
+
+
+def _known_defaults(configs: dict[str, Any]) -> dict[str, Any]:
+    """``configs`` less the defaults (``options.DEFAULTS``) this torch's Inductor has no option for
+    (an older torch); a profile's own unknown options were refused with the profile's checks."""
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    return {k: v for k, v in configs.items() if k in known or k not in DEFAULTS}
 
 
 def _cache_key(
