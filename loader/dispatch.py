@@ -277,17 +277,21 @@ class ServedModel:
             else:
                 _close_runner(runner)
 
-    def warm_thread(self) -> None:
+    def warm_thread(self, *, hint_only: bool = False) -> None:
         """``warmup()`` in the calling thread, unless this thread has run it already.
 
         oneDNN's compiled kernels are shared by the process (another thread's first call finds them in
         its cache), but OpenMP starts a thread team for each thread that calls into it, at that
         thread's first parallel region, and torch keeps other state per thread: the first call of a
         thread pays for it. Call this once at the start of every thread that will call the model, e.g.
-        ``ThreadPoolExecutor(initializer=model.warm_thread)``.
+        ``ThreadPoolExecutor(initializer=model.warm_thread)``. ``hint_only``: each variant's hint
+        alone, enough for the thread's own state where the load warmed the other shapes for the
+        process (a new thread's first call at them then costs 1.0-1.4x its steady one, against 2-4x
+        at a shape no thread ran: ``bench/results/load-stall.md``); a server warming a model while
+        others serve (``precompile.serve.service``) keeps its CPUs for them.
         """
         if not getattr(self._warm, "done", False):
-            self.warmup()
+            self.warmup(hint_only=hint_only)
 
     def example_inputs(self, variant: Variant, sizes: dict[str, int] | None = None) -> list:
         """Valid inputs at ``variant``'s hint shape, or at ``sizes`` (for warm-up and probes), each

@@ -10,6 +10,7 @@ Protocol's. ``Service.call`` is the one entry point that runs a decoded request 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -87,6 +88,11 @@ class Service:
         # Set by a repository when it replaces this version: where calls still on their way here go.
         self.successor: Callable[[], Service] | None = None
         self._loader: threading.Thread | None = None
+        # The first load happens before anything of this process serves (a lone artifact, a
+        # repository's first scan): its execution instances warm every shape the load warmed, each
+        # in its own thread. Any later load (a repository's model loaded while others serve, a new
+        # version swapped in) warms them at the hints only (see _count_attempt).
+        self._quiet_start = False
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # see _labelled
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -107,6 +113,7 @@ class Service:
         self._loader = threading.Thread(
             target=self._load_then_watch, args=(background,), name="precompile-load", daemon=True
         )
+        self._quiet_start = not background
         self._loader.start()
 
     def _load_then_watch(self, background: bool) -> None:
@@ -142,11 +149,19 @@ class Service:
         self.metrics.reloads.labels(*self.labels, "ok" if attempt.ok else "failed").inc()
         if attempt.ok:
             log.info("serving %s version %s from %s", self.live.serving.name, attempt.version, attempt.path)
-            # Each instance or batch worker thread warms the new version before its next call.
+            # Each instance or batch worker thread warms the new version before its next call. Where
+            # other models or an older version serve, an instance warms its own state at the hints
+            # alone: the load warmed the other shapes' oneDNN kernels for the whole process, and the
+            # rest (every instance at the largest shape, at normal priority) took the CPUs of the
+            # calls being served (bench/results/load-stall.md).
+            quiet, self._quiet_start = self._quiet_start, False
+            model = self.live.model
             if self.instances is not None:
-                self.instances.on_each(self.live.model.warm_thread)
+                self.instances.on_each(
+                    model.warm_thread if quiet else functools.partial(model.warm_thread, hint_only=True)
+                )
             if self.batcher is not None:
-                self.batcher.on_each(self.live.model.warmup)
+                self.batcher.on_each(model.warmup if quiet else functools.partial(model.warmup, hint_only=True))
         else:
             log.error("could not load %s: %s", attempt.requested, attempt.error)
 
