@@ -43,6 +43,7 @@ script prints them, it never asserts on them.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import resource
@@ -380,6 +381,16 @@ def measure(artifact: Path, onnx: str | None, opts: argparse.Namespace, dims: di
     }
 
 
+def compile_checkout() -> None:
+    """Write the bytecode of this checkout's ``loader`` and ``precompile`` into their ``__pycache__``,
+    as installing a wheel does (pip compiles every module), so that no child compiles them from
+    source: ONNX Runtime's and numpy's installed modules start compiled, and a checkout run with
+    ``PYTHONDONTWRITEBYTECODE=1`` (never writing it) would pay 20-40 ms more per process
+    (bench/results/coldstart_isa.md, 2026-12-07)."""
+    for package in ("loader", "precompile"):
+        compileall.compile_dir(ROOT / package, quiet=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:  # METHOD ARTIFACT CASE OUT ONNX-or-empty OPEN-or-empty: one cold start
@@ -406,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("-o", "--output", type=Path, help="write the figures as JSON here too")
     opts = parser.parse_args(argv)
+    compile_checkout()
     dims = {k: int(v) for k, v in (item.split("=", 1) for item in opts.dims.split(",") if item)}
     report = {"models": {}}
     for model in opts.models:
