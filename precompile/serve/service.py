@@ -124,6 +124,7 @@ class Service:
                 self.live.swap(self.config.artifact)
             except Exception:  # noqa: BLE001: logged by _count_attempt; /readyz reports it
                 pass
+        self._quiet_start = False  # whatever loads from now on (a retry, --watch) loads beside calls
         if self.config.watch:
             self.live.watch(self.config.artifact, interval=self.config.watch_interval)
 
