@@ -81,32 +81,29 @@ def builds(fixture: Callable[..., Any]) -> Callable[..., Any]:
 # other worker drains the short files meanwhile and the run ends with both workers busy. A file
 # missing here only runs later; a file that grows slow belongs on the list. test_convnets.py (368-512 s)
 # was split in two on 2026-12-04 (docs/testing.md): its halves are placed by their share of it alone
-# (85 s and 64 s of 208 s on their own). Reordered by 2026-12-07's run on the AVX2 host (`--durations`,
-# per-file sums from --junitxml): test_conv_routes.py (153 s: its routed build and the convnet preset's
-# three) had been left off the list and ran among the short files.
+# (85 s and 64 s of 208 s on their own).
 LONGEST_FIRST = (
-    "test_conv_routes.py",
     "test_precision.py",
-    "test_convnets.py",
-    "test_triton.py",
     "test_prepack.py",
+    "test_convnets.py",
     "test_build.py",
-    "test_ray_executor.py",
-    "test_rayserve.py",
-    "test_api.py",
-    "test_gpu_check.py",
     "test_shard.py",
+    "test_ray_executor.py",
     "test_standalone.py",
-    "test_tune.py",
-    "test_serve_repository.py",
-    "test_docs.py",
-    "test_guards.py",
-    "test_doctor.py",
-    "test_serve_fuzz.py",
-    "test_kserve.py",
-    "test_bench.py",
-    "test_hostile.py",
+    "test_api.py",
+    "test_rayserve.py",
     "test_batching_section.py",
+    "test_doctor.py",
+    "test_hostile.py",
+    "test_guards.py",
+    "test_triton.py",
+    "test_gpu_check.py",
+    "test_build_cache.py",
+    "test_bench.py",
+    "test_serve_repository.py",
+    "test_tune.py",
+    "test_kserve.py",
+    "test_threads.py",
 )
 
 
