@@ -63,7 +63,7 @@ class ServedModel:
         self._stats_lock = threading.Lock()
         self._warm = threading.local()  # .done: this thread ran warmup() (warm_thread)
         self.warmup_shapes = DEFAULT_WARMUP_SHAPES  # which shapes warm_variant runs (loader.warmup)
-        self.warmed: dict[str, list[dict[str, int]]] = {}  # the sizes each variant's last warm-up ran
+        self.warmed: dict[str, list[dict[str, int]]] = {}  # the sizes each variant's warm-ups ran, in order
         self._hint_seconds: dict[str, float] = {}  # each variant's hint call in its last warm-up
         self.opening: Opener | None = None  # opens the variants not open yet (loader.opening)
         self.reset_stats()
@@ -235,7 +235,7 @@ class ServedModel:
         start = time.perf_counter()
         self.run_variant(variant_id, *self.example_inputs(variant))
         self._hint_seconds[variant_id] = time.perf_counter() - start
-        self.warmed[variant_id] = [dict(variant.hint)]
+        self._record_warmed(variant_id, variant.hint)
         if not hint_only:
             self.warm_rest(variant_id)
 
@@ -246,7 +246,15 @@ class ServedModel:
         variant = next(v for v in self._variants if v.id == variant_id)
         for sizes in after_hint(variant, self.warmup_shapes, self._hint_seconds.get(variant_id, 0.0)):
             self.run_variant(variant_id, *self.example_inputs(variant, sizes))
-            self.warmed[variant_id] = [*self.warmed.get(variant_id, []), sizes]
+            self._record_warmed(variant_id, sizes)
+
+    def _record_warmed(self, variant_id: str, sizes: dict[str, int]) -> None:
+        """Add ``sizes`` to what the variant's warm-ups ran. Another thread's warm-up (``warm_thread``,
+        at the hints alone or at every shape) runs shapes already recorded: the record keeps them
+        once and in order, never starting over while that thread is part way through."""
+        done = self.warmed.setdefault(variant_id, [])
+        if sizes not in done:
+            done.append(dict(sizes))
 
     def is_open(self, variant_id: str) -> bool:
         """Whether the variant's compiled code is open (``load(open=...)`` may leave some for later)."""
