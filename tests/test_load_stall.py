@@ -28,13 +28,14 @@ def repo(classifier_artifact, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("runtime", ["torch", "native"])
 def test_a_load_while_others_serve_warms_instances_at_the_hints_alone(repo, runtime, monkeypatch):
-    runs: list[tuple[str, tuple[int, ...], int]] = []  # (thread, first input's shape, thread's nice value)
+    runs: list[tuple[str, tuple[int, ...], int, int]] = []  # (thread, first input's shape, nice value, model)
     run_variant = ServedModel.run_variant
 
     def recorded(self, variant_id, *args, **kwargs):
         thread = threading.current_thread().name
         if thread.startswith(("precompile-instance-", "precompile-load", "open-variants")):
-            runs.append((thread, tuple(args[0].shape), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+            nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            runs.append((thread, tuple(args[0].shape), nice, id(self)))
         return run_variant(self, variant_id, *args, **kwargs)
 
     monkeypatch.setattr(ServedModel, "run_variant", recorded)
@@ -58,10 +59,10 @@ def test_a_load_while_others_serve_warms_instances_at_the_hints_alone(repo, runt
         call = dict(zip(model.input_names, model.example_inputs(model.variants[0])))
         service.instances.submit(service.live.call_detailed, **call).result()  # each instance warm by now
 
-        first_scan = {(t, shape) for t, shape, _ in runs if t.startswith("precompile-instance-")}
+        first_scan = {(t, shape) for t, shape, _, _ in runs if t.startswith("precompile-instance-")}
         assert {shape for _, shape in first_scan} == warmed  # before anything served: every warmed shape
         base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        assert {nice for t, _, nice in runs if t.startswith("precompile-load")} == {base}
+        assert {nice for t, _, nice, _ in runs if t.startswith("precompile-load")} == {base}
 
         runs.clear()
         repository.unload("tiny-classifier")
@@ -70,8 +71,10 @@ def test_a_load_while_others_serve_warms_instances_at_the_hints_alone(repo, runt
         service = repository.lookup("tiny-classifier")
         for _ in range(4):  # an instance warms before its first call; enough calls to reach each
             service.instances.submit(service.live.call_detailed, **call).result()
-        instance_shapes = {shape for t, shape, _ in runs if t.startswith("precompile-instance-")}
-        load_runs = [(shape, nice) for t, shape, nice in runs if t.startswith("precompile-load")]
+        # the new version's runs alone: the first version's other instance may still be warming
+        new = id(service.live.model)
+        instance_shapes = {shape for t, shape, _, m in runs if t.startswith("precompile-instance-") and m == new}
+        load_runs = [(shape, nice) for t, shape, nice, m in runs if t.startswith("precompile-load") and m == new]
     finally:
         repository.stop()
     assert instance_shapes and instance_shapes <= hints, instance_shapes
