@@ -34,7 +34,7 @@ STANDALONE = "standalone"
 # out and rewrites those convolutions before Inductor sees them, ``precompile.passes.conv_routes``):
 # the kinds of convolution compiled without a per-shape oneDNN primitive.
 CONV_ROUTES = "conv_routes"
-ALL_CONV_ROUTES = ("conv1x1_as_gemm", "depthwise_as_loops")
+ALL_CONV_ROUTES = ("conv1x1_as_gemm", "depthwise_as_loops", "stem_as_loops")
 
 # Inductor writes the constants beside the code (not inside the .so), as pickles the build takes out.
 WEIGHTS_OUT: dict[str, Any] = {

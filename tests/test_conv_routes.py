@@ -76,10 +76,10 @@ def test_routes_rewrite_exactly_the_kinds_they_name_and_keep_the_values():
     ep = _export(m)
     assert _convs(ep) == 8
     done = conv_routes.route(ep.graph_module)
-    assert Counter(kind for kind, _ in done) == {"conv1x1_as_gemm": 3, "depthwise_as_loops": 2}
-    assert _convs(ep) == 3  # the stem, the grouped and the dilated one stay oneDNN's
+    assert Counter(kind for kind, _ in done) == {"conv1x1_as_gemm": 3, "depthwise_as_loops": 2, "stem_as_loops": 1}
+    assert _convs(ep) == 2  # the grouped and the dilated one stay oneDNN's
     norms = [n for n in ep.graph.nodes if n.op == "call_function" and n.target in conv_routes.BATCH_NORMS]
-    assert len(norms) == 1  # the stem's: the other three are folded into their convolutions' weights
+    assert not norms  # the stem's, the 1×1's and the depthwise one's: folded into their weights
     for shape in SHAPES:  # every size: nothing of the rewrite was fixed at the export's hint
         x = torch.randn(shape)
         with torch.no_grad():
@@ -92,6 +92,45 @@ def test_one_route_alone_leaves_the_other_kind():
     assert [kind for kind, _ in done] == ["depthwise_as_loops"] * 2
     assert _convs(ep) == 6
     assert conv_routes.route(_export(_model()).graph_module, ()) == []
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(3, 32, 3, 2, 1, bias=False),  # MobileNetV2's and EfficientNet's stem
+        nn.Conv2d(1, 8, 5, 1, 2),  # one channel, a bias
+        nn.Conv2d(2, 4, (3, 1), (1, 2), (1, 0)),  # uneven kernel, stride and padding
+    ],
+)
+def test_a_stem_over_few_channels_becomes_loops_and_computes_the_same(conv):
+    torch.manual_seed(0)
+    m = nn.Sequential(conv, nn.BatchNorm2d(conv.out_channels), nn.ReLU()).eval()
+    m[1].running_mean.normal_()
+    m[1].running_var.uniform_(0.5, 2.0)
+    h, w = torch.export.Dim("h", min=8, max=64), torch.export.Dim("w", min=8, max=64)
+    ep = torch.export.export(m, (torch.randn(2, conv.in_channels, 20, 30),), dynamic_shapes=({2: h, 3: w},))
+    assert conv_routes.route(ep.graph_module, ("stem_as_loops",)) == [("stem_as_loops", "conv2d")]
+    assert _convs(ep) == 0
+    for shape in [(2, conv.in_channels, 8, 17), (2, conv.in_channels, 64, 33)]:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            got = ep.module()(x)
+            torch.testing.assert_close(got, m(x), rtol=1e-4, atol=1e-5)
+        assert got.is_contiguous(memory_format=torch.channels_last)  # as the next layer reads it
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(3, 64, 7, 2, 3),  # ResNet's stem: 147 products an output, GEMM-sized
+        nn.Conv2d(16, 16, 3, 1, 1),  # a hidden layer's
+        nn.Conv2d(3, 8, 1),  # 1×1: conv1x1_as_gemm's
+        nn.Conv2d(3, 8, 3, dilation=2),
+    ],
+)
+def test_a_stem_route_leaves_every_other_dense_convolution(conv):
+    ep = torch.export.export(nn.Sequential(conv).eval(), (torch.randn(1, conv.in_channels, 32, 32),))
+    assert conv_routes.route(ep.graph_module, ("stem_as_loops",)) == []
 
 
 class StringPadded(nn.Module):
@@ -174,7 +213,7 @@ def test_routed_convolutions_create_no_primitive_and_match_eager(packages):
     from torch._inductor import aoti_load_package
 
     path, m = packages["routed"]
-    assert _primitives(path) == 3  # the stem, the grouped and the dilated convolution: oneDNN's still
+    assert _primitives(path) == 2  # the grouped and the dilated convolution: oneDNN's still
     runner = aoti_load_package(str(path))
     for shape in SHAPES:
         x = torch.randn(shape)

@@ -191,38 +191,66 @@ def _gemm_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]
 
 def _loop_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]) -> bool:
     """A depthwise convolution (one filter per channel, no dilation) as a sum of shifted slices."""
-    x, weight = kw["input"], kw["weight"]
-    wv, xv = weight.meta["val"], x.meta["val"]
-    channels, kh, kwd = wv.shape[0], wv.shape[2], wv.shape[3]
+    wv, xv = kw["weight"].meta["val"], kw["input"].meta["val"]
+    channels = wv.shape[0]
     if wv.shape[1] != 1 or kw["groups"] != channels or xv.shape[1] != channels or kw["dilation"] != [1, 1]:
         return False
+    _shifted_slices(gm, node, kw, per_channel=False)
+    return True
+
+
+# A dense convolution is generated as loops when it reads at most this many input values per output
+# (input channels × kernel taps): an image's stem (3 channels, 3×3: 27), not a 7×7 one (147) or any
+# convolution between hidden layers, whose sums are GEMM-sized and run faster in oneDNN's kernels.
+STEM_TAPS = 32
+
+
+def _stem_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]) -> bool:
+    """A dense convolution over few input channels (an image's stem), no dilation, as a sum of
+    shifted slices of each input channel times the taps' filters: one kernel Inductor generates,
+    vectorised over the output channels."""
+    _, channels, kh, kwd = kw["weight"].meta["val"].shape
+    if kw["groups"] != 1 or kw["dilation"] != [1, 1] or (kh, kwd) == (1, 1) or channels * kh * kwd > STEM_TAPS:
+        return False
+    _shifted_slices(gm, node, kw, per_channel=True)
+    return True
+
+
+def _shifted_slices(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any], *, per_channel: bool) -> None:
+    """Replace the convolution ``node`` by a sum over its taps of a shifted, strided slice of the
+    padded input times the tap's filter: the whole input at once for a depthwise one, each input
+    channel on its own (``per_channel``, then written channels-last) for a dense one."""
+    x, weight = kw["input"], kw["weight"]
+    out_channels, channels, kh, kwd = weight.meta["val"].shape
     (sh, sw), (ph, pw) = kw["stride"], kw["padding"]
     folded = _folded_norm(node)
     b = _Builder(gm.graph, node)
     scale, shift = _scale_and_shift(b, kw.get("bias"), folded[1] if folded else None)
     if scale is not None:
-        weight = b(aten.mul.Tensor, weight, b(aten.view.default, scale, [channels, 1, 1, 1]))
+        weight = b(aten.mul.Tensor, weight, b(aten.view.default, scale, [out_channels, 1, 1, 1]))
     # Tap (i, j) reads the padded input from (i, j) on, every step-th pixel, up to k - 1 - i short of
     # its end: as many windows as the convolution has, at any size, with no arithmetic on the sizes.
     padded = b(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0) if ph or pw else x
-    padded = _realized_channels_last(b, padded, channels)
-    # The taps tap-major, each a contiguous row over the channels (freezing folds the copy): a tap read
-    # from the [C, 1, k, k] weight itself would be a gather with stride k² in the vectorised loop.
-    taps = b(
-        aten.contiguous.default, b(aten.permute.default, b(aten.view.default, weight, [channels, kh * kwd]), [1, 0])
-    )
+    padded = _realized_channels_last(b, padded, x.meta["val"].shape[1])
+    # The taps tap-major, each a contiguous row over the output channels (freezing folds the copy): a
+    # tap read from the [K, C, k, k] weight itself would be a gather with stride C·k² in the vectorised loop.
+    rows_of_taps = b(aten.view.default, weight, [out_channels, channels * kh * kwd])
+    taps = b(aten.contiguous.default, b(aten.permute.default, rows_of_taps, [1, 0]))
+    planes = [b(aten.slice.Tensor, padded, 1, c, c + 1) for c in range(channels)] if per_channel else [padded]
     total = None
-    for i in range(kh):
-        rows = b(aten.slice.Tensor, padded, 2, i, i + 1 - kh or None, sh)
-        for j in range(kwd):
-            window = b(aten.slice.Tensor, rows, 3, j, j + 1 - kwd or None, sw)
-            tap = b(aten.view.default, b(aten.select.int, taps, 0, i * kwd + j), [1, channels, 1, 1])
-            term = b(aten.mul.Tensor, window, tap)
-            total = term if total is None else b(aten.add.Tensor, total, term)
+    for c, plane in enumerate(planes):
+        for i in range(kh):
+            rows = b(aten.slice.Tensor, plane, 2, i, i + 1 - kh or None, sh)
+            for j in range(kwd):
+                window = b(aten.slice.Tensor, rows, 3, j, j + 1 - kwd or None, sw)
+                tap = b(aten.view.default, b(aten.select.int, taps, 0, (c * kh + i) * kwd + j), [1, out_channels, 1, 1])
+                term = b(aten.mul.Tensor, window, tap)
+                total = term if total is None else b(aten.add.Tensor, total, term)
     if shift is not None:
-        total = b(aten.add.Tensor, total, b(aten.view.default, shift, [1, channels, 1, 1]))
+        total = b(aten.add.Tensor, total, b(aten.view.default, shift, [1, out_channels, 1, 1]))
+    if per_channel:  # written channels-last, as oneDNN's output would be: the next layer reads it so
+        total = _realized_channels_last(b, total, out_channels)
     _replace(gm, node, folded[0] if folded else None, total)
-    return True
 
 
 def _realized_channels_last(b: _Builder, x: torch.fx.Node, channels: int) -> torch.fx.Node:
@@ -237,7 +265,7 @@ def _realized_channels_last(b: _Builder, x: torch.fx.Node, channels: int) -> tor
     return b(torch.ops.prims.inductor_force_stride_order.default, x, strides)
 
 
-ROUTES = {"conv1x1_as_gemm": _gemm_conv, "depthwise_as_loops": _loop_conv}
+ROUTES = {"conv1x1_as_gemm": _gemm_conv, "depthwise_as_loops": _loop_conv, "stem_as_loops": _stem_conv}
 
 
 def route(gm: torch.fx.GraphModule, kinds: tuple[str, ...] = tuple(ROUTES)) -> list[tuple[str, str]]:
