@@ -264,3 +264,100 @@ def test_a_variant_that_cannot_be_standalone_is_built_as_usual_and_says_why(tmp_
     assert any(f"variant {variant.id}: not standalone" in m for m in messages)
     x = np.random.default_rng(0).standard_normal((2, 1, 10, 9)).astype(np.float32)
     np.testing.assert_array_equal(loader.load_native(out)(x), loader.load(out)(torch.from_numpy(x)).numpy())
+
+
+ROUTED_CONVNET = """
+name: excite-standalone
+model: {factory: "tiny:excite_net"}
+inputs: {x: {shape: [batch, 3, height, width], dtype: float32}}
+dims: {batch: {min: 1, max: 2}, height: {min: 16, max: 48}, width: {min: 16, max: 48}}
+plan: {max_specialized: 0}
+compile: {standalone: true, conv_routes: [conv1x1_as_gemm, depthwise_as_loops, stem_as_loops]}
+check: {random_shapes: 1}
+"""
+
+CONVNET_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    sys.modules["torch"] = None  # importing torch would fail
+    from pathlib import Path
+    import loader
+
+    artifact, inputs, out = sys.argv[1:4]
+    model = loader.load_native(artifact)
+    np.savez(out, *[model(x) for x in np.load(inputs, allow_pickle=True)])
+    maps = Path("/proc/self/maps").read_text()
+    print(json.dumps(sorted({line.removesuffix(" (deleted)").rsplit("/", 1)[-1] for line in maps.splitlines()
+                             if "libtorch" in line or "libc10" in line or "libdnnl" in line or "aoti_shim" in line})))
+    """
+)
+
+
+@pytest.mark.integration
+def test_a_convnet_with_every_convolution_routed_is_standalone(tmp_path):
+    """Its stem, depthwise and 1×1 convolutions as generated loops and GEMM templates
+    (``compile.conv_routes``), the squeeze-and-excite's one-pixel ones as dense layers: nothing of
+    oneDNN's left, so the torch-free loader serves it on the artifact's shim alone, as eager computes it."""
+    out = build(write_profile(tmp_path, ROUTED_CONVNET), tmp_path / "artifact").path
+    (variant,) = parse_manifest((out / C.MANIFEST_FILE).read_text()).variants
+    assert variant.shim == C.STANDALONE_SHIM and variant.not_standalone is None
+    rng = np.random.default_rng(3)
+    shapes = [(1, 3, 16, 16), (2, 3, 48, 31), (1, 3, 27, 40)]
+    inputs = np.empty(len(shapes), dtype=object)
+    inputs[:] = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    np.save(tmp_path / "inputs.npy", inputs, allow_pickle=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
+    done = subprocess.run(
+        [sys.executable, "-c", CONVNET_CHILD, str(out), str(tmp_path / "inputs.npy"), str(tmp_path / "out.npz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["aoti_shim.so"]
+    got = np.load(tmp_path / "out.npz")
+    from .models import tiny
+
+    eager = tiny.excite_net()
+    for k, x in enumerate(inputs):
+        with torch.no_grad():
+            want = eager(torch.from_numpy(x)).numpy()
+        assert got[f"arr_{k}"].shape == want.shape
+        np.testing.assert_allclose(got[f"arr_{k}"], want, rtol=1e-4, atol=1e-5)
+
+
+SHIM_CHILD = textwrap.dedent(
+    """
+    import ctypes, sys
+    lib = ctypes.CDLL(sys.argv[1])  # libtorch_cpu's or the artifact's shim, alone in its process
+    blob = (ctypes.c_float * 16)(*range(16))
+    sizes, strides = (ctypes.c_int64 * 2)(2, 3), (ctypes.c_int64 * 2)(1, 2)  # a transposed view
+    handle, data = ctypes.c_void_p(), ctypes.c_void_p()
+    f32, cpu = lib.aoti_torch_dtype_float32(), lib.aoti_torch_device_type_cpu()
+    args = (ctypes.c_void_p(ctypes.addressof(blob)), ctypes.c_int64(2), sizes, strides, ctypes.c_int64(5))
+    assert lib.aoti_torch_create_tensor_from_blob(*args, f32, cpu, 0, ctypes.byref(handle)) == 0
+    assert lib.aoti_torch_get_data_ptr(handle, ctypes.byref(data)) == 0
+    print((data.value - ctypes.addressof(blob)) // ctypes.sizeof(ctypes.c_float))
+    """
+)
+
+
+@pytest.mark.integration
+def test_the_shim_places_a_view_into_its_storage_as_torch_does(tmp_path):
+    """``create_tensor_from_blob`` with a storage offset: data is where the storage begins and the view
+    starts that many elements in (AOTInductor hands a frozen constant that shares a storage so), in
+    the artifact's shim as in libtorch_cpu's."""
+    libraries = [
+        standalone.build_shim(tmp_path / "aoti_shim.so"),
+        Path(torch.__file__).parent / "lib" / "libtorch_cpu.so",
+    ]
+    starts = []
+    for library in libraries:
+        done = subprocess.run(
+            [sys.executable, "-c", SHIM_CHILD, str(library)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        starts.append(int(done.stdout))
+    assert starts == [5, 5]

@@ -116,6 +116,10 @@ def _bmm(a: torch.Tensor, b: torch.Tensor):
     if b.stride(0) == 0:  # one matrix for every batch (a linear on a 3-d input): one mm
         batch, m, k = a.shape
         return aten.mm.default(a.reshape(batch * m, k), b[0]).view(batch, m, b.shape[2])
+    if isinstance(a.shape[0], int) and a.shape[0] == 1:  # one batch (a routed 1×1 convolution): one mm
+        # Inductor's bmm template fails to render an epilogue it fused in with a dynamic M
+        # (torch 2.13, ``ir.py`` indexer: "len(index) == len(stride)"); its mm template does not.
+        return aten.mm.default(a[0], b[0]).unsqueeze(0)
     if any(isinstance(d, torch.SymInt) for d in (a.shape[2], b.shape[2])):  # n or k dynamic
         return (a.unsqueeze(3) * b.unsqueeze(1)).sum(2)
     return NotImplemented  # the template takes it

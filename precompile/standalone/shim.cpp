@@ -176,8 +176,10 @@ EXPORT AOTITorchError aoti_torch_create_tensor_from_blob_v2(void* data, int64_t 
   if (item == 0) return fail("create_tensor_from_blob: unsupported dtype");
   auto* storage = new (std::nothrow) Storage();
   if (storage == nullptr) return fail("out of memory");
-  // The view starts at data: the storage begins storage_offset elements before it, as torch's does.
-  storage->data = static_cast<char*>(data) - storage_offset * item;
+  // The storage begins at data, the view storage_offset elements into it, as torch's shim makes it
+  // (at::for_blob(data, sizes).storage_offset(...)): AOTInductor hands each constant the start of its
+  // storage's bytes and the view's offset in them (aoti_runtime/model_base.h, load_constants).
+  storage->data = data;
   storage->nbytes = storage_offset * item + extent(ndim, sizes, strides, item);
   *ret = view(storage, ndim, sizes, strides, storage_offset, dtype);
   release(storage);  // the view holds the only reference
