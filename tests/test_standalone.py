@@ -123,22 +123,27 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_served_without_torch_libraries_as_the_torch_loader_serves_it(artifact, tmp_path):
-    inputs = np.empty(len(SHAPES), dtype=object)
-    inputs[:] = [encoder_inputs(b, s) for b, s in SHAPES]
-    np.save(tmp_path / "inputs.npy", inputs, allow_pickle=True)
+def run_torch_free(child: str, artifact: Path, inputs: np.ndarray, folder: Path) -> tuple[object, np.lib.npyio.NpzFile]:
+    """``child`` run on ``artifact`` and ``inputs`` in a fresh process where importing torch fails:
+    the JSON its last line prints and the outputs it saved."""
+    np.save(folder / "inputs.npy", inputs, allow_pickle=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(artifact), str(tmp_path / "inputs.npy"), str(tmp_path / "out.npz")],
+        [sys.executable, "-c", child, str(artifact), str(folder / "inputs.npy"), str(folder / "out.npz")],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), np.load(folder / "out.npz")
+
+
+def test_served_without_torch_libraries_as_the_torch_loader_serves_it(artifact, tmp_path):
+    inputs = np.empty(len(SHAPES), dtype=object)
+    inputs[:] = [encoder_inputs(b, s) for b, s in SHAPES]
+    seen, got = run_torch_free(CHILD, artifact, inputs, tmp_path)
     assert seen == {"torch": [], "libs": ["aoti_shim.so"]}  # the shim; neither torch's package nor its libraries
-    got = np.load(tmp_path / "out.npz")
     on_torch = loader.load(artifact)  # the same library, on libtorch_cpu's shim
     for k, (ids, mask) in enumerate(inputs):
         for name, want in zip(("states", "pooled"), on_torch(torch.from_numpy(ids), torch.from_numpy(mask))):
@@ -306,18 +311,8 @@ def test_a_convnet_with_every_convolution_routed_is_standalone(tmp_path):
     shapes = [(1, 3, 16, 16), (2, 3, 48, 31), (1, 3, 27, 40)]
     inputs = np.empty(len(shapes), dtype=object)
     inputs[:] = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    np.save(tmp_path / "inputs.npy", inputs, allow_pickle=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
-    done = subprocess.run(
-        [sys.executable, "-c", CONVNET_CHILD, str(out), str(tmp_path / "inputs.npy"), str(tmp_path / "out.npz")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["aoti_shim.so"]
-    got = np.load(tmp_path / "out.npz")
+    seen, got = run_torch_free(CONVNET_CHILD, out, inputs, tmp_path)
+    assert seen == ["aoti_shim.so"]  # neither libtorch, libc10 nor oneDNN
     from .models import tiny
 
     eager = tiny.excite_net()
