@@ -133,6 +133,24 @@ def test_a_stem_route_leaves_every_other_dense_convolution(conv):
     assert conv_routes.route(ep.graph_module, ("stem_as_loops",)) == []
 
 
+def test_a_zero_padded_depthwise_convolution_is_routed_with_its_pad():
+    """transformers' EfficientNet pads a stride-2 depthwise convolution's input by hand, one pixel more
+    on the right and bottom: routed, it reads that pad from the buffer it writes anyway (not folded
+    into its kernel as zero taps, which would leave the convolution to oneDNN)."""
+    from precompile.passes import convnets
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(8, 8, 3, 2, groups=8)).eval()
+    h, w = torch.export.Dim("h", min=8, max=64), torch.export.Dim("w", min=8, max=64)
+    ep = torch.export.export(m, (torch.randn(2, 8, 20, 30),), dynamic_shapes=({2: h, 3: w},))
+    assert [r.kind for r in convnets.rewrite(ep, ("depthwise_as_loops",))] == ["depthwise_as_loops"]
+    assert _convs(ep) == 0
+    for shape in [(2, 8, 8, 9), (2, 8, 33, 64)]:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(ep.module()(x), m(x), rtol=1e-4, atol=1e-5)
+
+
 class StringPadded(nn.Module):
     """Convolutions with a string padding (``aten.conv2d.padding``), as transformers' EfficientNet
     writes every one of its 81."""

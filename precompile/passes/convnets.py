@@ -102,9 +102,13 @@ def rewrite(ep: ExportedProgram, routes: tuple[str, ...] = ()) -> list[Rewrite]:
     (``precompile.passes.conv_routes``, before the copies: a routed convolution's output is such a
     view); what was changed, in graph order."""
     gm = ep.graph_module
-    done = _global_avg_pools(gm) + _pixel_convs_as_linear(gm) + _pads_into_convs(gm)
+    done = _global_avg_pools(gm) + _pixel_convs_as_linear(gm)
+    # Routed before a zero pad becomes a convolution's padding: a routed depthwise convolution reads
+    # its padded input from one buffer it writes anyway, so the pad costs it nothing, and the pad
+    # folded in would give it zero taps (4×4 for a 3×3) it would multiply by and a weight computed
+    # in the graph, which the routes leave to oneDNN (EfficientNet-B0's four stride-2 ones).
     done += [Rewrite(kind, name, "") for kind, name in conv_routes.route(gm, routes)]
-    done += _copy_conv_inputs(gm)
+    done += _pads_into_convs(gm) + _copy_conv_inputs(gm)
     if done:
         gm.graph.lint()
         gm.recompile()
