@@ -24,6 +24,7 @@ MANAGED: dict[str, str] = {
     "aot_inductor.package_constants_in_so": "weights are kept out of the library and stored once, memory-mapped",
     "aot_inductor.package_constants_on_disk_format": "precompile extracts the weights itself",
     "post_grad_custom_pre_pass": "precompile packs dynamic convolutions' weights there (precompile.passes.prepack)",
+    "post_grad_custom_post_pass": "precompile marks how it prints generated indices there (precompile.index_analysis)",
 }
 
 # compile.standalone's mark in a unit's options (not an Inductor option: precompile.standalone takes it

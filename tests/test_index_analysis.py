@@ -49,3 +49,55 @@ def test_inductor_sees_it_during_the_block_only():
             assert sizevars.sympy.simplify is index_analysis.simplify
         assert sizevars.stride_at_vec_range(INDEX, d3, 8) == 1
     assert sizevars.sympy is sympy
+
+
+def _printed(expr) -> str:
+    from torch._inductor.codegen.cpp_utils import cexpr_index
+
+    return cexpr_index(expr)
+
+
+ks1, ks2 = sympy.symbols("ks1 ks2", integer=True, positive=True)  # a kernel's size arguments
+tmp3 = sympy.Symbol("tmp3", integer=True, nonnegative=True)  # a value loaded from memory
+
+
+def test_a_division_of_sizes_and_indices_is_printed_as_c_division():
+    nested = FloorDiv(1 + FloorDiv(1 + FloorDiv(1 + ks1, 2), 2), 2)  # three stride-2 layers' height
+    index = x3 + 96 * x0 * nested + ModularIndexing(x0 + 8 * ks2, 4, 16)
+    assert "div_floor_integer" in _printed(index)  # Inductor's own: a branch on the signs
+    with index_analysis.plain_divisions():
+        fast = _printed(index)
+    assert "div_floor_integer" not in fast
+    assert fast.count(" / static_cast<int64_t>(2L))") == 3 and " / static_cast<int64_t>(4L))" in fast
+    assert "div_floor_integer" in _printed(index)  # put back after the block
+
+
+def test_a_division_that_may_see_a_negative_value_keeps_the_floor():
+    with index_analysis.plain_divisions():
+        for expr in (FloorDiv(ks1 - 1, 2), FloorDiv(x0 - 3, 4), FloorDiv(tmp3, 8), FloorDiv(x0, ks1 - 2)):
+            assert "div_floor_integer" in _printed(expr), expr
+        assert "div_floor_integer" in _printed(ModularIndexing(x0 - 1, 2, 8))
+
+
+def test_the_printed_division_computes_the_floor_division(tmp_path):
+    """C's division truncates: on a non-negative dividend and a positive divisor that is the floor.
+    The printed index, compiled by g++, against sympy's value of it."""
+    import subprocess
+
+    nested = FloorDiv(1 + FloorDiv(x0 + 3 * ks1, 2), 3) + 5 * ModularIndexing(x0 + ks1, 2, 7)
+    with index_analysis.plain_divisions():
+        printed = _printed(nested)
+    assert "div_floor_integer" not in printed
+    points = [(0, 1), (5, 7), (6, 96), (255, 129), (1001, 3)]
+    source = tmp_path / "index.cpp"
+    source.write_text(
+        "#include <cstdint>\n#include <cstdio>\nint main() {\n"
+        + "".join(
+            f'  {{ int64_t x0 = {x}, ks1 = {k}; std::printf("%ld\\n", (long)({printed})); }}\n' for x, k in points
+        )
+        + "}\n"
+    )
+    subprocess.run(["g++", "-O2", "-o", str(tmp_path / "index"), str(source)], check=True)
+    got = subprocess.run([str(tmp_path / "index")], capture_output=True, text=True, check=True).stdout.split()
+    assert [int(v) for v in got] == [int(nested.subs({x0: x, ks1: k})) for x, k in points]
+    assert index_analysis.nonnegative(1 + FloorDiv(x0 + 3 * ks1, 2)) and not index_analysis.nonnegative(-x0)

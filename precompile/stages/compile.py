@@ -26,7 +26,7 @@ from loader.aoti import open_package
 from .. import build_cache, standalone
 from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
-from ..index_analysis import faster_index_analysis
+from ..index_analysis import codegen_mark, generated_indexing
 from ..options import CONV_ROUTES, DEFAULTS, WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
 from ..passes import convnets
 from ..units import CompiledPackage
@@ -59,6 +59,7 @@ def compile_package(
     routes = tuple(options.pop(CONV_ROUTES, ()))
     embedded = embeds_constants(options, device)
     configs = _known_defaults({**options} if embedded else {**options, **WEIGHTS_OUT})
+    configs["post_grad_custom_post_pass"] = codegen_mark()  # index_analysis.plain_divisions, in the caches' keys
     if prepacks_convolutions(options, device):  # Inductor packs only static ones (precompile.passes.prepack)
         configs["post_grad_custom_pre_pass"] = PrepackConvolutions()
     if device == "cuda" and multi_arch:
@@ -122,7 +123,7 @@ def _compile(ep: ExportedProgram, raw: Path, configs: dict[str, Any], isa: str |
     try:
         # Gradients off: Inductor's freezing (constant folding, weight prepacking) only applies to
         # graphs compiled without them; serving never needs them.
-        with warnings.catch_warnings(), torch.no_grad(), pinned_vector_isa(isa), faster_index_analysis():
+        with warnings.catch_warnings(), torch.no_grad(), pinned_vector_isa(isa), generated_indexing():
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
     except Exception as e:  # Inductor and the C++ toolchain raise many types
@@ -146,7 +147,7 @@ def _compile_standalone(
             torch.no_grad(),
             pinned_vector_isa(isa),
             standalone.single_vector_blocks(),
-            faster_index_analysis(),
+            generated_indexing(),
         ):
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(
