@@ -163,23 +163,29 @@ def plain_divisions() -> Iterator[None]:
 
 
 def codegen_mark() -> Any:
-    """A pass that changes nothing, for Inductor's ``post_grad_custom_post_pass``: its ``uuid`` (this
-    file's hash) puts ``plain_divisions`` in the keys of Inductor's graph cache and precompile's build
-    cache, so that neither hands back code printed before it or by another version of it."""
+    """A pass that changes nothing, for Inductor's ``post_grad_custom_post_pass``: its ``uuid`` (the
+    hash of this file and ``precompile.parallel_loops``) puts ``generated_code``'s changes in the keys
+    of Inductor's graph cache and precompile's build cache, so that neither hands back code generated
+    before them or by another version of them."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    from . import parallel_loops
 
     class PlainDivisions(CustomGraphPass):
         def __call__(self, graph: Any) -> None:
             return None
 
         def uuid(self) -> Any:
-            return get_hash_for_files((__file__,))
+            return get_hash_for_files((__file__, parallel_loops.__file__))
 
     return PlainDivisions()
 
 
 @contextlib.contextmanager
-def generated_indexing() -> Iterator[None]:
-    """Both of this module's changes to Inductor while a compile runs."""
-    with faster_index_analysis(), plain_divisions():
+def generated_code() -> Iterator[None]:
+    """precompile's changes to Inductor's C++ code generation while a compile runs: this module's two
+    and the loops' parallel split (``precompile.parallel_loops``)."""
+    from .parallel_loops import parallel_for_the_least_sizes
+
+    with faster_index_analysis(), plain_divisions(), parallel_for_the_least_sizes():
         yield

@@ -34,7 +34,7 @@ class Blocks(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())  # dense: kept
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())  # a stem
         self.expand = nn.Sequential(nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6())  # 1×1 + norm
         self.depthwise = nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1, groups=32, bias=False), nn.BatchNorm2d(32), nn.SiLU())
         self.strided = nn.Conv2d(32, 32, 5, 2, 2, groups=32)  # depthwise 5×5, stride 2, a bias, no norm
@@ -103,7 +103,7 @@ def test_one_route_alone_leaves_the_other_kind():
         nn.Conv2d(2, 4, (3, 1), (1, 2), (1, 0)),  # uneven kernel, stride and padding
     ],
 )
-def test_a_stem_over_few_channels_becomes_loops_and_computes_the_same(conv):
+def test_a_stem_over_few_channels_becomes_an_im2col_product_and_computes_the_same(conv):
     torch.manual_seed(0)
     m = nn.Sequential(conv, nn.BatchNorm2d(conv.out_channels), nn.ReLU()).eval()
     m[1].running_mean.normal_()
@@ -240,15 +240,17 @@ def test_routed_convolutions_create_no_primitive_and_match_eager(packages):
             torch.testing.assert_close(runner(x), m(x), rtol=1e-4, atol=1e-5)
 
 
-def test_the_routed_loops_index_by_divisions_without_a_branch(packages):
+def test_the_routed_loops_divide_without_a_branch_and_split_below_the_batch(packages):
     """The generated loops divide sizes and loop indices with C's ``/`` (index_analysis.plain_divisions):
     ``c10::div_floor_integer`` branches on its operands' signs, and g++ recomputed it inside the loops
-    (MobileNetV2's depthwise loops: two thirds of its call)."""
+    (MobileNetV2's depthwise loops: two thirds of its call). And they are split over threads by batch
+    and height (precompile.parallel_loops): a call of batch 1 keeps every thread busy."""
     path, _ = packages["routed"]
     with zipfile.ZipFile(path) as package:
         (kernels,) = [package.read(n).decode() for n in package.namelist() if n.endswith(".kernel.cpp")]
     assert "div_floor_integer" not in kernels
     assert "/ static_cast<int64_t>(2L))" in kernels  # the stride-2 layers' sizes
+    assert "#pragma omp for collapse(2)" in kernels
 
 
 CONVNET_TUNED = """

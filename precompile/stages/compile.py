@@ -26,7 +26,7 @@ from loader.aoti import open_package
 from .. import build_cache, standalone
 from ..cpu_isa import pinned_vector_isa
 from ..errors import CompileError
-from ..index_analysis import codegen_mark, generated_indexing
+from ..index_analysis import codegen_mark, generated_code
 from ..options import CONV_ROUTES, DEFAULTS, WEIGHTS_OUT, embeds_constants, prepacks_convolutions, with_kind_defaults
 from ..passes import convnets
 from ..units import CompiledPackage
@@ -123,7 +123,7 @@ def _compile(ep: ExportedProgram, raw: Path, configs: dict[str, Any], isa: str |
     try:
         # Gradients off: Inductor's freezing (constant folding, weight prepacking) only applies to
         # graphs compiled without them; serving never needs them.
-        with warnings.catch_warnings(), torch.no_grad(), pinned_vector_isa(isa), generated_indexing():
+        with warnings.catch_warnings(), torch.no_grad(), pinned_vector_isa(isa), generated_code():
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=configs)
     except Exception as e:  # Inductor and the C++ toolchain raise many types
@@ -147,7 +147,7 @@ def _compile_standalone(
             torch.no_grad(),
             pinned_vector_isa(isa),
             standalone.single_vector_blocks(),
-            generated_indexing(),
+            generated_code(),
         ):
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(
