@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loader.threads import wait_env
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.5  # first call / steady call
 # The load's warm-up modes compared (loader.warmup): the hint alone, as before, and the default.
@@ -56,11 +58,13 @@ def measure(
 ) -> list[dict[str, Any]]:
     """One row per (artifact, warm-up mode, dynamic variant, shape), each artifact and mode measured
     in its own process, on the same shapes in every mode. ``env``: those processes' environment
-    (default: this one's, OpenMP's idle threads asleep), e.g. with an allocator preloaded. ``onnx``:
+    (default: this one's, OpenMP's idle threads asleep after the short spin ``precompile serve``
+    sets, ``loader.threads.wait_env``; before 2026-12-07 they slept at once, which slowed every call
+    of a convnet, oneDNN's and generated code alike), e.g. with an allocator preloaded. ``onnx``:
     each artifact's ONNX export, whose first calls ONNX Runtime makes at the same shapes."""
     rows: list[dict[str, Any]] = []
     if env is None:
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        env = {**os.environ, **wait_env()}
     for k, path in enumerate(artifacts):
         mine: list[dict[str, Any]] = []
         for mode in warmups:

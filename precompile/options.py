@@ -35,7 +35,7 @@ STANDALONE = "standalone"
 # out and rewrites those convolutions before Inductor sees them, ``precompile.passes.conv_routes``):
 # the kinds of convolution compiled without a per-shape oneDNN primitive.
 CONV_ROUTES = "conv_routes"
-ALL_CONV_ROUTES = ("conv1x1_as_gemm", "depthwise_as_loops", "stem_as_loops")
+ALL_CONV_ROUTES = ("conv1x1_as_gemm", "depthwise_as_loops", "stem_as_loops", "dense_as_gemm")
 
 # Inductor writes the constants beside the code (not inside the .so), as pickles the build takes out.
 WEIGHTS_OUT: dict[str, Any] = {
@@ -88,14 +88,17 @@ PRESETS: dict[str, list[dict[str, Any]]] = {
         {"freezing": True},
         {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
     ],
-    # Convnets: every convolution oneDNN's, or the 1×1 ones (then the depthwise ones too) compiled
-    # without a per-shape primitive (compile.conv_routes): oneDNN's kernels are the fastest steady call
-    # on most hosts, the routes' first call at a new image size costs no more than their steady one;
-    # the tune stage's first-call bound (compile.tune.first_call) weighs the two on the build host.
+    # Convnets: every convolution oneDNN's, or the 1×1 ones (then the depthwise ones and the stem too)
+    # compiled without a per-shape primitive (compile.conv_routes): oneDNN's kernels are the fastest
+    # steady call on most hosts, the routes' first call at a new image size costs no more than their
+    # steady one; the tune stage's first-call bound (compile.tune.first_call) weighs the two on the
+    # build host. The last candidate routes the stem with the depthwise ones: MobileNetV2 on an AVX2
+    # EPYC ran 1.22× oneDNN's steady call so, 1.50× with its stem left to oneDNN
+    # (bench/results/conv_routes.md).
     "convnet": [
         {"freezing": True},
         {"freezing": True, CONV_ROUTES: ["conv1x1_as_gemm"]},
-        {"freezing": True, CONV_ROUTES: ["conv1x1_as_gemm", "depthwise_as_loops"]},
+        {"freezing": True, CONV_ROUTES: ["conv1x1_as_gemm", "depthwise_as_loops", "stem_as_loops"]},
     ],
 }
 

@@ -4,7 +4,7 @@ ones as loops Inductor generates.
 oneDNN has no shape-agnostic convolution on CPU: it creates (JIT-compiles) a primitive the first time
 it meets each input shape in each thread, about 0.2 ms of CPU per convolution, so the first call at
 an image size the warm-up never ran costs 1.3–2.5× the steady call (52 primitives a call for
-MobileNetV2). Two kinds of convolution need no such primitive:
+MobileNetV2). These kinds of convolution need no such primitive:
 
 - **1×1**, no padding, groups or dilation (any stride): a matrix product over the channels,
   ``[N·H·W, C] @ [C, K]`` on a channels-last activation, written as a ``bmm`` of one batch so that
@@ -16,10 +16,14 @@ MobileNetV2). Two kinds of convolution need no such primitive:
 - **stem**: a dense k×k convolution over few input channels (at most ``STEM_TAPS`` values per
   output: an image's 3-channel 3×3 stem): an im2col of the C·k² windows, then the 1×1 route's
   matrix product.
+- **dense** k×k (``dense_as_gemm``, opt-in): any such convolution as an im2col written pixel by pixel
+  (each tap's channels one contiguous copy) and the same product; slower than oneDNN's steady and
+  first calls on ResNet-18 (``bench/results/conv_routes.md``), there for a convnet that must run
+  without oneDNN (standalone).
 
     done = route(ep.graph_module)      # [("conv1x1_as_gemm", "conv2d_1"), ("depthwise_as_loops", "conv2d_2"), ...]
 
-Both are exact up to the order of the additions (eager's convolution sums in another order).
+All are exact up to the order of the additions (eager's convolution sums in another order).
 Other dense k×k convolutions stay oneDNN's: their primitives are created at load for the shapes
 the warm-up runs (``loader.warmup``).
 """
@@ -208,42 +212,61 @@ def _loop_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]
     return True
 
 
-# A dense convolution is routed (an im2col and a matrix product) when it reads at most this many input
-# values per output (input channels × kernel taps): an image's stem (3 channels, 3×3: 27), not a 7×7
-# one (147) or any convolution between hidden layers, whose im2col would copy each input k² times
-# where oneDNN's kernels read it in place.
+# A dense convolution is routed by ``stem_as_loops`` when it reads at most this many input values per
+# output (input channels × kernel taps): an image's stem (3 channels, 3×3: 27), not a 7×7 one (147) or
+# any convolution between hidden layers (``dense_as_gemm`` routes those).
 STEM_TAPS = 32
 
 
 def _stem_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]) -> bool:
-    """A dense convolution over few input channels (an image's stem), no dilation, as an im2col (the
-    C·k² shifted, strided windows of the padded input side by side) times the weight as a matrix,
-    the 1×1 route's product. MobileNetV2's stem, standalone, one thread, 3×3×116×155: 20.8 ms a call
-    against 22.1–22.4 ms as a sum of shifted slices per input channel, which Inductor vectorised
-    along the width with stride-6 gathers (a stride-2 layer, channels-last)."""
+    """A dense convolution over few input channels (an image's stem) as ``_im2col_conv``. MobileNetV2's
+    stem, standalone, one thread, 3×3×116×155: 20.8 ms a call against 22.1–22.4 ms as a sum of
+    shifted slices per input channel, which Inductor vectorised along the width with stride-6 gathers
+    (a stride-2 layer, channels-last)."""
     _, channels, kh, kwd = kw["weight"].meta["val"].shape
-    if kw["groups"] != 1 or kw["dilation"] != [1, 1] or (kh, kwd) == (1, 1) or channels * kh * kwd > STEM_TAPS:
+    if channels * kh * kwd > STEM_TAPS:
         return False
+    return _im2col_conv(gm, node, kw, taps_first=False)
+
+
+def _dense_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any]) -> bool:
+    """Any dense k×k convolution (no groups or dilation) as ``_im2col_conv``, its columns tap by tap:
+    a hidden layer's input is channels-last, so each tap's C channels are one contiguous copy."""
+    return _im2col_conv(gm, node, kw, taps_first=True)
+
+
+def _im2col_conv(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str, Any], *, taps_first: bool) -> bool:
+    """A dense k×k convolution, no groups or dilation, as an im2col (the k² shifted, strided windows
+    of the padded input stacked: [N, C·k², H', W'], channel by channel as the weight orders them, or
+    ``taps_first``: [N, k²·C, H', W']) times the weight as a matrix in the same order: the 1×1 route's
+    product."""
     x, weight = kw["input"], kw["weight"]
-    out_channels = weight.meta["val"].shape[0]
+    out_channels, channels, kh, kwd = weight.meta["val"].shape
+    if kw["groups"] != 1 or kw["dilation"] != [1, 1] or (kh, kwd) == (1, 1):
+        return False
     (sh, sw), (ph, pw) = kw["stride"], kw["padding"]
     folded = _folded_norm(node)
     b = _Builder(gm.graph, node)
     scale, shift = _scale_and_shift(b, kw.get("bias"), folded[1] if folded else None)
-    matrix = b(aten.view.default, weight, [out_channels, channels * kh * kwd])
+    if taps_first:  # [K, kh, kw, C], copied by reshape: freezing folds the copy
+        weight = b(aten.permute.default, weight, [0, 2, 3, 1])
+    matrix = b(aten.reshape.default, weight, [out_channels, channels * kh * kwd])
     if scale is not None:
         matrix = b(aten.mul.Tensor, matrix, b(aten.unsqueeze.default, scale, 1))
     padded = b(aten.constant_pad_nd.default, x, [pw, pw, ph, ph], 0.0) if ph or pw else x
-    # Each output pixel's inputs side by side, in the weight's order (channel, row, column): [N, C·k·k,
-    # H', W'], then one matrix product over them, as the 1×1 route computes its pixels.
+    if taps_first:  # read k² times: written once, as the depthwise route writes its input
+        padded = _realized_channels_last(b, padded, channels)
     windows = []
-    for c in range(channels):
-        plane = b(aten.slice.Tensor, padded, 1, c, c + 1)
-        for i in range(kh):
-            rows = b(aten.slice.Tensor, plane, 2, i, i + 1 - kh or None, sh)
-            for j in range(kwd):
-                windows.append(b(aten.slice.Tensor, rows, 3, j, j + 1 - kwd or None, sw))
-    patches = b(aten.cat.default, windows, 1)
+    for i in range(kh):
+        rows = b(aten.slice.Tensor, padded, 2, i, i + 1 - kh or None, sh)
+        for j in range(kwd):
+            windows.append(b(aten.slice.Tensor, rows, 3, j, j + 1 - kwd or None, sw))
+    if taps_first:  # stacked pixel by pixel: [N, H', W', k², C], each tap's C channels one contiguous copy
+        pixels = [b(aten.permute.default, w, [0, 2, 3, 1]) for w in windows]
+        flat = b(aten.flatten.using_ints, b(aten.stack.default, pixels, 3), 3, 4)
+        patches = b(aten.permute.default, flat, [0, 3, 1, 2])  # [N, k²·C, H', W'], channels-last
+    else:
+        patches = b(aten.flatten.using_ints, b(aten.stack.default, windows, 2), 1, 2)
     _replace(gm, node, folded[0] if folded else None, _times_matrix(b, patches, matrix, shift))
     return True
 
@@ -292,7 +315,12 @@ def _realized_channels_last(b: _Builder, x: torch.fx.Node, channels: int) -> tor
     return b(torch.ops.prims.inductor_force_stride_order.default, x, strides)
 
 
-ROUTES = {"conv1x1_as_gemm": _gemm_conv, "depthwise_as_loops": _loop_conv, "stem_as_loops": _stem_conv}
+ROUTES = {
+    "conv1x1_as_gemm": _gemm_conv,
+    "depthwise_as_loops": _loop_conv,
+    "stem_as_loops": _stem_conv,
+    "dense_as_gemm": _dense_conv,
+}
 
 
 def route(gm: torch.fx.GraphModule, kinds: tuple[str, ...] = tuple(ROUTES)) -> list[tuple[str, str]]:

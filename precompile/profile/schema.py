@@ -130,7 +130,8 @@ class CompileSpec(_Strict):
         default=None,
         description="the fp32 convolutions compiled without a per-shape oneDNN primitive (no JIT at the first call "
         "at a new image size): conv1x1_as_gemm (1×1 ones as matrix products), depthwise_as_loops (generated "
-        "loops), stem_as_loops (a dense one over few input channels, an image's stem, as generated loops); [] "
+        "loops), stem_as_loops (a dense one over few input channels, an image's stem, as an im2col and a matrix "
+        "product), dense_as_gemm (any dense one so); [] "
         "keeps every convolution oneDNN's; unset: the model kind's default (docs/compile-options.md)",
     )
 
