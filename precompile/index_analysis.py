@@ -171,14 +171,14 @@ def codegen_mark() -> Any:
 
     from . import parallel_loops
 
-    class PlainDivisions(CustomGraphPass):
+    class GeneratedCodeMark(CustomGraphPass):
         def __call__(self, graph: Any) -> None:
             return None
 
         def uuid(self) -> Any:
             return get_hash_for_files((__file__, parallel_loops.__file__))
 
-    return PlainDivisions()
+    return GeneratedCodeMark()
 
 
 @contextlib.contextmanager
