@@ -41,7 +41,7 @@ RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin prec
 COPY ${ARTIFACT} /srv/artifact
 ENV PRECOMPILE_CACHE=/var/cache/precompile \
     PRECOMPILE_STATE=/var/lib/precompile \
-    OMP_WAIT_POLICY=PASSIVE \
+    OMP_WAIT_POLICY=ACTIVE \
     GOMP_SPINCOUNT=10000 \
     PYTHONUNBUFFERED=1
 # OMP_NUM_THREADS is left unset on purpose: the server sizes its threads to the CPUs the container

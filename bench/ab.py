@@ -6,6 +6,8 @@
     python -m bench.ab --side ../old /tmp/old --side . /tmp/new \\
         --shape batch=1,seq=16 --shape batch=8,seq=128 [--rounds 5] [--seconds 1] [--out ab.json]
 
+    python -m bench.ab --side . /tmp/new --onnx model.onnx --shape batch=1,height=32,width=32   # and ONNX Runtime
+
 Answers "is this version slower than that one on this model?" where the two cannot share a process:
 each side's artifact is loaded by its own checkout's loader (``PYTHONPATH`` set to it, so the old
 loader reads the old artifact), in a fresh process per round, the sides alternating, so that a drift
@@ -14,8 +16,11 @@ round, then the median over the rounds, and its ratio to the first side's. The i
 the manifest's specs (random floats; integers inside the input's range; an ``attention_mask`` all
 ones, unpadded). Two threads, OpenMP's idle
 threads asleep after a short spin (``precompile serve``'s settings); ``--env NAME=VALUE`` adds to
-the processes' environment (``--env LD_PRELOAD=...`` for an allocator). Asserts nothing; run it on
-a quiet machine (``python -m bench.monitor -- ...``).
+the processes' environment (``--env LD_PRELOAD=...`` for an allocator). ``--onnx MODEL.onnx`` adds ONNX
+Runtime as one more side, run as it would be in production: a fresh process per round like the others
+(so its spinning threads meet no other engine's), its CPU provider with as many intra-op threads and
+its default settings otherwise, on inputs of the first artifact's shapes (``bench.onnx_export`` writes
+such a file). Asserts nothing; run it on a quiet machine (``python -m bench.monitor -- ...``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from loader.threads import wait_env
 
 # Run by each side's interpreter with that side's checkout first on the path: it may use only what
 # every version of the loader has (load, the manifest's inputs, calls by input name).
@@ -64,6 +71,55 @@ for k, sizes in enumerate(shapes):
 print("AB " + json.dumps({"loader": loader.__file__, "ms": out}))
 """
 
+# ONNX Runtime's side: {input name: (shape, dtype, (low, high) for integers)} per shape, as the first
+# artifact's manifest gives them.
+ONNX_CHILD = r"""
+import json, sys, time
+import numpy as np
+from bench.peers import open_engine
+
+path, feeds_spec, seconds = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+run, _ = open_engine("onnxruntime", path, 2)
+out = {}
+for k, specs in enumerate(feeds_spec):
+    rng = np.random.default_rng(k)
+    feeds = {}
+    for name, (shape, dtype, bounds) in specs.items():
+        if bounds is None:
+            feeds[name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            feeds[name] = rng.integers(bounds[0], bounds[1] + 1, size=shape).astype(dtype)
+    for _ in range(5):
+        run(feeds)
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 10:
+        start = time.perf_counter()
+        run(feeds)
+        times.append((time.perf_counter() - start) * 1000)
+    times.sort()
+    out[k] = times[len(times) // 2]
+print("AB " + json.dumps({"loader": "onnxruntime", "ms": out}))
+"""
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def onnx_feeds(artifact: Path, shapes: list[dict[str, int]]) -> list[dict[str, Any]]:
+    """ONNX Runtime's inputs at each of ``shapes``: per input its shape, numpy dtype and, for an
+    integer input, the range its values are drawn from (as the loader's side draws them)."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    feeds = []
+    for sizes in shapes:
+        specs = {}
+        for spec in manifest["inputs"]:
+            shape = [sizes[s] if isinstance(s, str) else s for s in spec["shape"]]
+            bounds = None
+            if not spec["dtype"].startswith(("float", "bfloat")):
+                lo, hi = spec["range"] if spec.get("range") else (0, 1)
+                bounds = (1, 1) if spec["name"] == "attention_mask" else (int(lo), int(hi))
+            specs[spec["name"]] = (shape, spec["dtype"], bounds)
+        feeds.append(specs)
+    return feeds
+
 
 def measure(
     sides: list[tuple[Path, Path]],
@@ -72,27 +128,37 @@ def measure(
     rounds: int = 5,
     seconds: float = 1.0,
     env: dict[str, str] | None = None,
+    onnx: Path | None = None,
 ) -> dict[str, Any]:
-    """``sides``: (checkout, artifact) pairs. Per side and shape, every round's median ms."""
-    base = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000", **(env or {})}
+    """``sides``: (checkout, artifact) pairs; ``onnx``: an ONNX file for ONNX Runtime, a last side.
+    Per side and shape, every round's median ms."""
+    base = {**os.environ, **wait_env({}), **(env or {})}  # what precompile serve sets
     for tree, _ in sides:
         if not (tree / "loader" / "__init__.py").is_file():
             raise SystemExit(f"bench.ab: {tree} is no checkout of precompile (no loader/ in it)")
+    if onnx is not None:
+        if not onnx.is_file():
+            raise SystemExit(f"bench.ab: --onnx {onnx}: no such file")
+        feeds = json.dumps(onnx_feeds(sides[0][1], shapes))
+        sides = [*sides, (ROOT, onnx)]
     runs: list[list[list[float]]] = [[[] for _ in shapes] for _ in sides]
     for _ in range(rounds):
         for i, (tree, artifact) in enumerate(sides):
+            is_onnx = onnx is not None and i == len(sides) - 1
             child = subprocess.run(
-                [sys.executable, "-c", CHILD, str(artifact.resolve()), json.dumps(shapes), str(seconds)],
-                env={**base, "PYTHONPATH": str(tree.resolve())},
+                [sys.executable, "-c", ONNX_CHILD if is_onnx else CHILD, str(artifact.resolve()),
+                 feeds if is_onnx else json.dumps(shapes), str(seconds)],
+                # ONNX Runtime's threads as its own defaults have them (it never reads OpenMP's settings)
+                env={**(os.environ if is_onnx else base), "PYTHONPATH": str(tree.resolve())},
                 cwd=tree,
                 capture_output=True,
                 text=True,
-            )
+            )  # fmt: skip
             line = next((x for x in child.stdout.splitlines() if x.startswith("AB ")), None)
             if child.returncode != 0 or line is None:
                 raise SystemExit(f"bench.ab: {artifact} under {tree} failed:\n{child.stderr[-2000:]}")
             said = json.loads(line[3:])
-            if not Path(said["loader"]).resolve().is_relative_to(tree.resolve()):
+            if not is_onnx and not Path(said["loader"]).resolve().is_relative_to(tree.resolve()):
                 raise SystemExit(f"bench.ab: {artifact} was loaded by {said['loader']}, not by {tree}'s loader")
             for k, ms in said["ms"].items():
                 runs[i][int(k)].append(ms)
@@ -111,7 +177,12 @@ def measure(
 
 def report(result: dict[str, Any]) -> str:
     names = [",".join(f"{d}={n}" for d, n in s.items()) for s in result["shapes"]]
-    labels = [f"{Path(s['checkout']).name or s['checkout']}: {Path(s['artifact']).name}" for s in result["sides"]]
+    labels = [
+        f"onnxruntime: {Path(s['artifact']).name}"
+        if s["artifact"].endswith(".onnx")
+        else f"{Path(s['checkout']).name or s['checkout']}: {Path(s['artifact']).name}"
+        for s in result["sides"]
+    ]
     width = max(len(label) for label in labels)
     lines = [f"{'checkout: artifact':{width}} " + " ".join(f"{n:>{len(n)}}" for n in names) + "       sum  ratio"]
     for label, side in zip(labels, result["sides"]):
@@ -134,12 +205,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--onnx", type=Path, help="an ONNX export of the model: ONNX Runtime as a last side")
     parser.add_argument("--out", type=Path)
     opts = parser.parse_args(argv)
-    if len(opts.side) < 2:
-        parser.error("give two --side CHECKOUT ARTIFACT pairs at least")
+    if len(opts.side) + (opts.onnx is not None) < 2:
+        parser.error("give two --side CHECKOUT ARTIFACT pairs at least, or one and --onnx")
     env = dict(e.split("=", 1) for e in opts.env)
-    result = measure([tuple(s) for s in opts.side], opts.shape, rounds=opts.rounds, seconds=opts.seconds, env=env)
+    result = measure(
+        [tuple(s) for s in opts.side], opts.shape, rounds=opts.rounds, seconds=opts.seconds, env=env, onnx=opts.onnx
+    )
     print(report(result))
     if opts.out:
         opts.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -19,7 +19,9 @@ import os
 import threading
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from loader.threads import wait_env  # neither torch nor numpy
+
+os.environ.update(wait_env())  # serve's OpenMP settings, before torch
 
 
 def throughput(model, variant, instances: int, team: int, batch: int, seconds: float) -> float:

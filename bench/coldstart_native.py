@@ -56,6 +56,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from loader.threads import wait_env
+
 METHODS = ("native", "loader", "onnxruntime", "serve-native", "serve-torch")
 ROOT = Path(__file__).resolve().parent.parent
 PER_CALL_ENV = "BENCH_PER_CALL"  # set for a child: a steady pass of that many calls per block
@@ -160,7 +162,7 @@ def _first(result):
 def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env["OMP_WAIT_POLICY"] = "PASSIVE"  # what precompile serve runs with, for every method alike
+    env.update(wait_env({}))  # what precompile serve runs with, for every method alike
     return env
 
 

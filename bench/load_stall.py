@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from loader.threads import wait_env
+
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -50,7 +52,7 @@ def run_child(module: str, runtime: str, repo: Path, options: list[str]) -> dict
     """``python -m module --child RUNTIME REPO *options`` in a fresh process (OpenMP's threads
     sleeping when idle); the JSON its last line prints, or None (its error said on stderr)."""
     command = [sys.executable, "-m", module, "--child", runtime, str(repo), *options]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, **wait_env({})}  # serve's OpenMP settings
     out = subprocess.run(command, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         print(f"{runtime}: failed\n{out.stderr[-3000:]}", file=sys.stderr)

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loader.threads import wait_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,7 +38,7 @@ def environments(names: list[str]) -> dict[str, dict[str, str]]:
     from loader.malloc import MallocError, malloc_env
 
     base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
-    base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    base.update(wait_env(base))  # serve's OpenMP settings, unless set
     out = {}
     for name in names:
         try:

@@ -23,7 +23,7 @@ the servers run one after the other on loopback ports, each serving every protoc
   the Python-backend model.py calling ``loader.load()``), served by the real ``tritonserver`` that
   ``make triton`` unpacks into ``.triton/`` (skipped, with a line saying so, without it).
 
-The precompile and eager servers get the environment ``precompile serve`` sets (``OMP_WAIT_POLICY=PASSIVE``,
+The precompile and eager servers get the environment ``precompile serve`` sets (``loader.threads.wait_env``,
 ``OMP_NUM_THREADS``); Triton's model.py sets the same for each instance.
 
 The load generator is this script: closed-loop clients (each sends its next request when the last
@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.constants import OIP_DATATYPES
+from loader.threads import wait_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "profiles" / "bench"
@@ -340,6 +341,7 @@ def start_server(
     if batching and args.max_batch:
         batch_args += ["--max-batch", str(args.max_batch)]
     instance_args = ["--instances", str(args.instances)] if args.instances else []
+    instance_args += ["--runtime", args.runtime] if args.runtime else []
     if kind == "precompile":
         if "grpc" in protocols:
             if serves_grpc():
@@ -752,6 +754,11 @@ def main() -> None:
     )
     parser.add_argument("--instances", type=int, help="precompile serve --instances (default: the server's)")
     parser.add_argument(
+        "--runtime",
+        choices=["auto", "native", "torch"],
+        help="precompile serve --runtime (default: the server's, auto); the eager server and Triton's backend run torch",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=1, help="measure each level this many times in a row (the spread is printed)"
     )
     parser.add_argument(
@@ -782,7 +789,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-args", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the Triton export loads the artifact here
+    os.environ.update(wait_env())  # serve's OpenMP settings, unless set (the Triton export loads the artifact here)
     if args.eager_server:
         eager_server(args.eager_server, str(args.profile), args.port, args.serve_args)
         return
@@ -816,6 +823,7 @@ def main() -> None:
                 "max_batch",
                 "workers",
                 "instances",
+                "runtime",
                 "repeat",
                 "protocol",
                 "triton_instances",

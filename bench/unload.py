@@ -22,6 +22,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from loader.threads import wait_env
+
 LIBRARY_MARKS = ("/precompile-native-", "/aotinductor_")
 REPORTED = (1, 10, 50, 100, 250, 500, 1000)
 
@@ -83,7 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-unload-") as scratch:
         repo = Path(scratch) / "models"
         shutil.copytree(args.artifact, repo / manifest["name"] / str(manifest["version"]))
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {**os.environ, **wait_env({})}  # serve's OpenMP settings
         results = []
         for runtime in ("torch", "native"):
             out = subprocess.run(

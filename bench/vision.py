@@ -68,6 +68,7 @@ import numpy as np
 import torch
 
 from loader.malloc import PRELOAD_ENV, MallocError, resolve
+from loader.threads import wait_env
 from precompile.errors import PrecompileError
 from precompile.serve.server import serving_env
 
@@ -307,7 +308,7 @@ def onednn_reorders(artifact: Path, shapes: list[dict[str, int]]) -> list[dict[s
     import subprocess
     import sys
 
-    env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", **wait_env({})}
     run = subprocess.run(
         [sys.executable, "-c", CALLS, str(artifact), json.dumps(shapes)],
         env=env, capture_output=True, text=True, check=True, cwd=ROOT,

@@ -14,7 +14,8 @@ loader's models and import torch only to load with ``load`` (``Live(path, load=l
 never does).
 Reading a pack imports ``zstandard`` and checking a signature ``cryptography``, each only then.
 
-Imported before torch, it sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment says otherwise
+Imported before torch, it sets how idle OpenMP threads wait (a spin of 0.1 ms, then sleep:
+``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000``) unless the environment says otherwise
 (see ``loader.threads``); before oneDNN's first use, the sizes of its kernel caches.
 """
 

@@ -23,12 +23,21 @@ STANDALONE_SHIM = "standalone/aoti_shim.so"
 # The OpenMP runtime's wait policy variable, read once when torch loads it (loader.threads).
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 # How long (libgomp's spins, about 100,000 a millisecond) an idle OpenMP thread spins before it sleeps;
-# read with the policy, and it overrides what the policy implies (PASSIVE alone: 0, sleep at once).
+# read with the policy, and it overrides what the policy implies (PASSIVE alone: 0, sleep at once;
+# ACTIVE alone: forever).
 SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
 # About 0.1 ms: a call's many short parallel regions (one per kernel) find their threads still awake,
 # instead of paying a futex wake-up each (MobileNetV2 at 1x96² on 2 threads: 4.8 ms sleeping at once,
 # 1.4 ms with this), while a thread idle between calls sleeps after 0.1 ms, not torch's 3 ms or forever.
 SPIN_COUNT = "10000"
+# The policy set with it where the user set none. In libgomp (torch's OpenMP runtime) a policy with
+# GOMP_SPINCOUNT given spins that long and then sleeps, whatever the policy; what the policy still
+# decides is the spin where the process's OpenMP threads outnumber its CPUs, which they do as soon as
+# two threads each ran a team (execution instances, batch workers, a thread besides the main one):
+# PASSIVE spins 0 there, so every barrier of a call is a futex sleep and wake-up (MiniLM at 1x16 on 2
+# CPUs: 11.4 ms a call from a second thread against 5.5 from the first), ACTIVE 1,000 (about 10 us,
+# 5.6-6.0 ms). Unset, it would be 100 spins (11.4 ms).
+WAIT_POLICY = "ACTIVE"
 
 # Inside an AOTInductor package the compiled model is stored under this name.
 AOTI_MODEL_NAME = "model"

@@ -147,8 +147,9 @@ def load(
     - ``copy_inputs`` moves inputs that live on another device to the model's, instead of refusing them.
     - ``threads``: torch's CPU thread count for this process. By default torch's count is cut to the
       CPUs the process really gets (affinity mask, cgroup CPU quota); a ThreadingWarning says when
-      the threading will still hurt (spin-waiting OpenMP threads on a shared host: set
-      OMP_WAIT_POLICY=PASSIVE before starting Python).
+      the threading will still hurt (spin-waiting OpenMP threads on a shared host: import loader before
+      torch, or set OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000 before starting Python: a spin of 0.1 ms,
+      then sleep; ``loader.threads.wait_env``).
     - ``precision``: ``"auto"`` serves the bf16/int8 variants the build's gate kept (fastest first) where
       this CPU has the features they need, fp32 elsewhere; ``"fp32"`` only fp32; ``"bf16"``/``"int8"``
       that precision first (IncompatibleArtifactError when the artifact or this CPU has none). The

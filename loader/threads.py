@@ -23,7 +23,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .constants import SPIN_COUNT, SPIN_COUNT_ENV, WAIT_POLICY_ENV
+from .constants import SPIN_COUNT, SPIN_COUNT_ENV, WAIT_POLICY, WAIT_POLICY_ENV
 
 THREADS_ENV = "OMP_NUM_THREADS"
 
@@ -142,12 +142,13 @@ def threading_problems(
         )
     shared = allowance.cpus < allowance.host or allowance.quota is not None
     crowded = load + threads > allowance.host  # other work cannot all run beside these threads
-    if threads > 1 and (shared or crowded) and (policy or "").strip().lower() != "passive":
+    if threads > 1 and (shared or crowded) and not sleeps_when_idle(policy, spin_count):
         where = allowance.describe() if shared else f"a load of {load:.1f} on {allowance.host} CPUs"
         problems.append(
-            f"OpenMP threads spin-wait between calls ({WAIT_POLICY_ENV} is {policy or 'unset'}) on a host they share "
-            f"({where}): neighbours slow every call; start the process with {WAIT_POLICY_ENV}=PASSIVE, or import "
-            "loader before torch (the policy is read when torch is imported)"
+            f"OpenMP threads spin-wait between calls ({WAIT_POLICY_ENV} is {policy or 'unset'}, "
+            f"{SPIN_COUNT_ENV} {spin_count or 'unset'}) on a host they share ({where}): neighbours slow every call; "
+            f"start the process with {WAIT_POLICY_ENV}={WAIT_POLICY} {SPIN_COUNT_ENV}={SPIN_COUNT} (a spin of "
+            "0.1 ms, then sleep), or import loader before torch (the policy is read when torch is imported)"
         )
     elif threads > 1 and load >= 1 and crowded and _spins(spin_count):
         # At least one busy neighbour on average, and no CPU left for every thread of the team: a parallel
@@ -167,10 +168,15 @@ def threading_problems(
 
 def _spins(count: str | None) -> bool:
     """Whether libgomp spins before it sleeps under the passive policy (an unset count: it does not)."""
+    return (_count(count) or 0) > 0
+
+
+def _count(text: str | None) -> int | None:
+    """``GOMP_SPINCOUNT`` as a number of spins; None where unset or not a number."""
     try:
-        return int((count or "0").strip()) > 0
+        return int((text or "").strip())
     except ValueError:
-        return False
+        return None
 
 
 def _load_average() -> float:
@@ -243,19 +249,28 @@ def physical_cores(cpus: str | os.PathLike = "/sys/devices/system/cpu") -> int:
 
 def wait_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """How idle OpenMP threads wait, what is to be added to ``environ`` (default ``os.environ``) before
-    the runtime starts: ``OMP_WAIT_POLICY=PASSIVE`` unless a policy is set, so a thread idle between
-    calls sleeps instead of spinning beside other work; and, where the policy is passive, a short spin
-    first (``GOMP_SPINCOUNT``, ``constants.SPIN_COUNT``: about 0.1 ms) unless one is set, so the
-    parallel regions of one call (one per kernel, microseconds apart) do not each pay a wake-up.
-    ``GOMP_SPINCOUNT=0`` sleeps at once."""
+    the runtime starts: a short spin (``GOMP_SPINCOUNT``, ``constants.SPIN_COUNT``: about 0.1 ms), so
+    the parallel regions of one call (one per kernel, microseconds apart) do not each pay a wake-up,
+    then sleep, so a thread idle between calls leaves its CPU to other work. Where no policy is set:
+    ``OMP_WAIT_POLICY=ACTIVE`` with that count, which libgomp reads as "spin that long, then sleep",
+    and which keeps a short spin where several threads run teams (``constants.WAIT_POLICY``); where the
+    user set a policy of passive, the count alone. A count the user set is kept (``GOMP_SPINCOUNT=0``
+    sleeps at once); a policy the user set with no count is theirs (ACTIVE alone spins forever)."""
     environ = os.environ if environ is None else environ
     env = {}
     if WAIT_POLICY_ENV not in environ:
-        env[WAIT_POLICY_ENV] = "PASSIVE"
-    policy = environ.get(WAIT_POLICY_ENV, env.get(WAIT_POLICY_ENV, "")).strip().lower()
-    if policy == "passive" and SPIN_COUNT_ENV not in environ:
+        env[WAIT_POLICY_ENV] = WAIT_POLICY
+        if SPIN_COUNT_ENV not in environ:
+            env[SPIN_COUNT_ENV] = SPIN_COUNT
+    elif environ[WAIT_POLICY_ENV].strip().lower() == "passive" and SPIN_COUNT_ENV not in environ:
         env[SPIN_COUNT_ENV] = SPIN_COUNT
     return env
+
+
+def sleeps_when_idle(policy: str | None, spin_count: str | None) -> bool:
+    """Whether libgomp's idle threads go to sleep, after a spin of at most ``spin_count``: the passive
+    policy, or any policy with a count given. Unset, they spin 3 ms; ACTIVE alone, forever."""
+    return (policy or "").strip().lower() == "passive" or _count(spin_count) is not None
 
 
 def openmp_env(

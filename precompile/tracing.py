@@ -5,6 +5,7 @@ Failures are translated into the profile's words: which dim, what torch said, wh
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
 import io
@@ -92,7 +93,7 @@ def explain_export_failure(
     that matter (its suggested fixes), once; its whole text and log go to a file the message names."""
     text = str(e)
     involved = [d for d in ranges if re.search(rf"\b{re.escape(d)}\b", text)]
-    advice = []
+    advice = [a for a in (_guard_advice(*g, ranges) for g in _violated_guards(text)) if a]
     for name, args in re.findall(r"(\w+) = Dim\('?\w+'?,?\s*([^)]*)\)", text):
         if name in ranges:
             advice.append(
@@ -132,6 +133,120 @@ def explain_export_failure(
         + f"  torch says (all of it in {logfile}):\n"
         + "\n".join("    " + line for line in _useful_lines(text))
     ).rstrip()
+
+
+# torch.export's report of a guard that holds for part of a dim's range only:
+#   Not all values of height = L['x'].size()[2] in the specified range 32 <= height <= 96 satisfy the
+#   generated guard (1 + (((-1) + L['x'].size()[2]) // 32)) != 1.
+_VIOLATED = re.compile(
+    r"Not all values of (\w+) = (\S+) in the specified range (-?\d+) <= \1 <= (-?\d+) "
+    r"satisfy the generated guard (.+?)\.?\s*$",
+    re.M,
+)
+_MOST_SIZES = 1 << 16  # sizes a guard is evaluated at, at most (one range): well under a second
+
+
+def _violated_guards(text: str) -> list[tuple[str, str, str]]:
+    """(dim, guard, the size's source in it) for each such line, once each."""
+    return list(dict.fromkeys((m[1], m[5], m[2]) for m in _VIOLATED.finditer(text)))
+
+
+def _guard_advice(dim: str, guard: str, source: str, ranges: dict[str, tuple[int, int]]) -> str | None:
+    """Where in ``dim``'s declared range ``guard`` (naming no other size) changes between holding and
+    not, as split points for ``plan.ranges``: each part then gets a variant of its own, exported for
+    sizes the model's code treats alike. None where that cannot be worked out."""
+    if dim not in ranges or ranges[dim][1] - ranges[dim][0] >= _MOST_SIZES:
+        return None
+    lo, hi = ranges[dim]
+    try:
+        tree = ast.parse(guard.replace(source, "size"), mode="eval")
+        holds = [n for n in range(lo, hi + 1) if _evaluate(tree.body, n)]
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return None
+    shown = f"torch's guard: {guard.replace(source, dim)}"
+    if not holds:
+        return f"no size of dims.{dim} in [{lo}, {hi}] passes the model's code ({shown}): make {dim} static"
+    held = set(holds)
+    if len(held) == hi - lo + 1:  # holds throughout: not what torch said, so not read right
+        return None
+    splits = [n for n in range(lo, hi) if (n in held) != (n + 1 in held)]
+    others = ", ".join(_shown(r) for r in _runs([n for n in range(lo, hi + 1) if n not in held]))
+    runs = _runs(holds)
+    narrow = f", or narrow dims.{dim} to [{runs[0][0]}, {runs[0][1]}]" if len(runs) == 1 else ""
+    return (
+        f"the model's code takes another path for dims.{dim} at {others} than at {', '.join(map(_shown, runs))} "
+        f"({shown}): split the range there, `plan: {{ranges: {{{dim}: {splits}}}}}` (beside any split points "
+        f"already given), so that each part gets a variant of its own{narrow}"
+    )
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """Sorted integers as runs of consecutive ones: [1, 2, 3, 7] -> [(1, 3), (7, 7)]."""
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v - 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
+def _shown(run: tuple[int, int]) -> str:
+    return str(run[0]) if run[0] == run[1] else f"{run[0]}-{run[1]}"
+
+
+_BINARY = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+}
+_COMPARE = {
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+}
+_CALLS = {
+    "Eq": lambda a, b: a == b,
+    "Ne": lambda a, b: a != b,
+    "Mod": lambda a, b: a % b,
+    "Max": max,
+    "Min": min,
+    "FloorDiv": lambda a, b: a // b,
+}
+
+
+def _evaluate(node: ast.AST, size: int) -> int:
+    """The value of a guard's integer arithmetic at ``size``; ValueError for anything else (a name
+    other than ``size``, an attribute, a float)."""
+    if isinstance(node, ast.Name) and node.id == "size":
+        return size
+    if isinstance(node, ast.Constant) and type(node.value) in (int, bool):
+        return int(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, size)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return int(not _evaluate(node.operand, size))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        return _BINARY[type(node.op)](_evaluate(node.left, size), _evaluate(node.right, size))
+    if isinstance(node, ast.BoolOp):
+        values = [_evaluate(v, size) for v in node.values]
+        return int(all(values) if isinstance(node.op, ast.And) else any(values))
+    if isinstance(node, ast.Compare):
+        left = _evaluate(node.left, size)
+        for op, right_node in zip(node.ops, node.comparators):
+            right = _evaluate(right_node, size)
+            if type(op) not in _COMPARE or not _COMPARE[type(op)](left, right):
+                return 0
+            left = right
+        return 1
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS and not node.keywords:
+        return int(_CALLS[node.func.id](*(_evaluate(a, size) for a in node.args)))
+    raise ValueError(f"not integer arithmetic: {ast.dump(node)[:80]}")
 
 
 def _useful_lines(text: str, limit: int = 12) -> list[str]:

@@ -215,6 +215,22 @@ def test_instances_run_a_batch_while_another_is_running(classifier):
     assert held != other and (alone, beside) == (2, 1)
 
 
+def test_a_lone_caller_s_batches_go_to_the_worker_that_ran_the_last_one(classifier):
+    """Last in, first out (as the server's execution instances): one client's calls keep one worker's
+    OpenMP team awake instead of waking each worker's in turn."""
+    ran = []
+
+    def team(size: int) -> bool:
+        ran.append(threading.current_thread().name)
+        return True
+
+    with loader.Batcher(classifier, max_batch=1, instances=3, threads=3, team=team) as batcher:
+        for _ in range(6):
+            batcher.submit(*call_inputs(1, seq=4)).result(timeout=WAIT)
+        workers = {t.name for t in threading.enumerate() if t.name.startswith("precompile-batcher-")}
+    assert len(workers) == 3 and len(set(ran)) == 1  # the team was set once, by the one worker
+
+
 def test_on_each_warms_every_worker_at_every_team_size_before_its_next_batch(classifier):
     """A newly loaded model's warm-up runs in each worker thread, once per team size the worker runs
     batches with (oneDNN compiles per thread count, ideep plans per calling thread), before a batch."""

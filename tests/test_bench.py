@@ -358,12 +358,11 @@ def test_the_ab_bench_times_each_side_under_its_own_checkout_in_turn(classifier_
         ab.measure([(tmp_path, classifier_artifact)], shapes[:1], rounds=1, seconds=0.05)
 
 
-def test_the_first_call_bench_times_onnx_runtime_s_first_call_at_the_artifact_s_unseen_shapes(
-    classifier_artifact, classifier_profile, tmp_path
-):
+@pytest.fixture
+def classifier_onnx(classifier_profile, tmp_path) -> Path:
+    """The tests' classifier exported to ONNX (``bench.onnx_export``), for ONNX Runtime's side."""
     pytest.importorskip("onnxruntime", reason="the bench extra is not installed")
     pytest.importorskip("onnxscript", reason="the bench extra is not installed")
-    from bench import firstcall
     from bench.onnx_export import export_onnx
     from precompile.profile import load_profile
     from precompile.stages.resolve import resolve_model
@@ -371,9 +370,35 @@ def test_the_first_call_bench_times_onnx_runtime_s_first_call_at_the_artifact_s_
     loaded = load_profile(classifier_profile)
     said = export_onnx(resolve_model(loaded), loaded.profile, tmp_path / "model.onnx")
     assert "failed" not in said, said
-    rows = firstcall.measure(
-        [classifier_artifact], shapes=2, repeat=3, warmups=("auto",), onnx=[tmp_path / "model.onnx"]
-    )
+    return tmp_path / "model.onnx"
+
+
+def test_the_ab_bench_times_onnx_runtime_as_a_last_side_at_the_artifact_s_shapes(
+    classifier_artifact, classifier_onnx, tmp_path
+):
+    from bench import ab
+    from loader.artifact import read_manifest
+
+    (v, *_) = [v for v in read_manifest(classifier_artifact).variants if v.kind == "dynamic" and v.precision == "fp32"]
+    shapes = [{d: r.min for d, r in v.dims.items()}, {d: r.max for d, r in v.dims.items()}]
+    first = read_manifest(classifier_artifact).inputs[0]
+    shape, dtype, _ = ab.onnx_feeds(classifier_artifact, shapes)[1][first.name]
+    assert (shape, dtype) == ([shapes[1].get(s, s) for s in first.shape], first.dtype)
+    here = Path(__file__).resolve().parent.parent
+    result = ab.measure([(here, classifier_artifact)], shapes, rounds=2, seconds=0.05, onnx=classifier_onnx)
+    assert [s["artifact"] for s in result["sides"]] == [str(classifier_artifact), str(classifier_onnx)]
+    assert all(len(r) == 2 and min(r) > 0 for s in result["sides"] for r in s["rounds_ms"])
+    assert "onnxruntime: model.onnx" in ab.report(result)
+    with pytest.raises(SystemExit, match="no such file"):
+        ab.measure([(here, classifier_artifact)], shapes, rounds=1, seconds=0.05, onnx=tmp_path / "none.onnx")
+
+
+def test_the_first_call_bench_times_onnx_runtime_s_first_call_at_the_artifact_s_unseen_shapes(
+    classifier_artifact, classifier_onnx
+):
+    from bench import firstcall
+
+    rows = firstcall.measure([classifier_artifact], shapes=2, repeat=3, warmups=("auto",), onnx=[classifier_onnx])
     ours = [r for r in rows if r["warmup"] == "auto"]
     peer = [r for r in rows if r["warmup"] == "onnxruntime"]
     assert ours and all("failed" not in r for r in rows), rows

@@ -121,6 +121,53 @@ def test_export_failure_names_dim_and_leaves_nothing(tmp_path):
 
 
 @pytest.mark.integration
+def test_a_guard_that_holds_for_part_of_a_range_gives_the_split_points_that_export(tmp_path):
+    """torch.export's "not all values of height ... satisfy the generated guard": the error names the
+    sizes the model's code treats apart and the plan.ranges split that gives them a variant of their
+    own; with that split, every planned variant exports."""
+    from precompile.stages.plan import make_plan
+    from precompile.tracing import export_model
+
+    text = """
+        name: strided
+        model: {factory: "tiny:strided_image"}
+        inputs: {x: {shape: [batch, 3, height, 13], dtype: float32}}
+        dims: {batch: {min: 1, max: 2}, height: {min: 3, max: 24}}
+    """
+    result = CliRunner().invoke(
+        main, ["build", str(write_profile(tmp_path, text)), "-o", str(tmp_path / "out")], catch_exceptions=False
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "the model's code takes another path for dims.height at 3-4 than at 5-24" in result.output
+    assert "`plan: {ranges: {height: [4]}}`" in result.output and "or narrow dims.height to [5, 24]" in result.output
+    assert not (tmp_path / "out").exists()
+
+    loaded = load_profile(write_profile(tmp_path, text.rstrip() + "\n        plan: {ranges: {height: [4]}}\n"))
+    model = resolve_model(loaded)
+    variants = make_plan(loaded).variants
+    assert sorted(v.ranges["height"] for v in variants) == [(3, 4), (5, 24)]
+    for v in variants:  # each part exports: the advice was right
+        export_model(model, loaded.profile, v.ranges, v.hint)
+
+
+def test_a_violated_guard_is_read_as_integer_arithmetic_only():
+    from precompile.tracing import explain_export_failure
+
+    def said(guard: str, lo: int = 1, hi: int = 20, source: str = "L['x'].size()[1]") -> str:
+        text = f"  - Not all values of seq = {source} in the specified range {lo} <= seq <= {hi} satisfy the generated guard {guard}."
+        return explain_export_failure(RuntimeError(text), {"seq": (lo, hi)}, {"seq": 8})
+
+    # holds in two runs: the split points are every place it changes, and no single narrower range is offered
+    both = said("Ne(Mod(L['x'].size()[1], 8), 0) and L['x'].size()[1] != 16")
+    assert "at 8, 16 than at 1-7, 9-15, 17-20" in both and "{ranges: {seq: [7, 8, 15, 16]}}" in both
+    assert "narrow" not in both
+    # a guard over two sizes, a float or an attribute is not evaluated: torch's words alone
+    for guard in ("L['x'].size()[1] != L['x'].size()[0]", "L['x'].size()[1] * 0.5 > 2", "L['x'].size()[1].real > 2"):
+        assert "split the range" not in said(guard)
+        assert "change the model so torch.export can trace it" in said(guard)
+
+
+@pytest.mark.integration
 def test_an_attention_mask_sampled_as_ones_builds_and_serves_padded_calls(tmp_path):
     """``range`` is what every call may hold, ``sample.range`` what the build's samples hold: a mask
     sampled as ones still serves a padded call (zeros), and refuses a value past its valid range."""

@@ -72,7 +72,7 @@ def wait_ready(port: int, process: subprocess.Popen) -> None:
 def test_the_image_entrypoint_serves_and_drains_on_sigterm(classifier_artifact, tmp_path):
     image_env, command = dockerfile()
     assert command[:2] == ["precompile", "serve"] and command[-1] == "/srv/artifact"
-    assert image_env["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_NUM_THREADS" not in image_env
+    assert image_env["OMP_WAIT_POLICY"] == "ACTIVE" and "OMP_NUM_THREADS" not in image_env
     assert image_env["GOMP_SPINCOUNT"] == "10000"  # what the server sets where the image does not
     port = free_port()
     # The container's command, with what only the container has replaced: its address (loopback here),

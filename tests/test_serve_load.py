@@ -242,7 +242,8 @@ def test_the_command_follows_deploys_under_load_and_records_the_traffic(classifi
         served_env = dict(
             item.split("=", 1) for item in Path(f"/proc/{process.pid}/environ").read_text().split("\0") if "=" in item
         )
-        assert served_env["OMP_WAIT_POLICY"] == "PASSIVE" and int(served_env["OMP_NUM_THREADS"]) >= 1
+        assert served_env["OMP_WAIT_POLICY"] == "ACTIVE" and served_env["GOMP_SPINCOUNT"] == "10000"
+        assert int(served_env["OMP_NUM_THREADS"]) >= 1
         requests = bodies(12, seed=3)
         with httpx.Client(base_url=base, timeout=10) as c:
             expected = [c.post("/predict", json=b).json()["outputs"] for b in requests]

@@ -191,7 +191,7 @@ def test_openmp_starts_with_the_servers_settings(native_server):
     """OpenMP reads its settings once, when libgomp loads: the native server puts them in its own
     environment first (no re-exec: nothing loaded it before), and libgomp starts with them."""
     settings = native_server[2].read_text()
-    assert "OMP_WAIT_POLICY = 'PASSIVE'" in settings
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in settings
     assert "GOMP_SPINCOUNT = '10000'" in settings  # a short spin before sleeping (loader.threads.wait_env)
     assert f"OMP_NUM_THREADS = '{cpu_allowance().cpus}'" in settings
 

@@ -77,18 +77,26 @@ def test_more_threads_than_cpus_is_a_problem_with_the_fix():
 
 def test_spin_waiting_on_a_share_of_the_host_is_a_problem():
     share = CpuAllowance(host=64, affinity=64, quota=2.0)
-    (problem,) = threading_problems(share, threads=2, wait_policy="", load=0.0)
-    assert "OMP_WAIT_POLICY=PASSIVE" in problem and "a cgroup quota of 2 CPUs" in problem
+    (problem,) = threading_problems(share, threads=2, wait_policy="", load=0.0, spin_count="")
+    assert "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000" in problem and "a cgroup quota of 2 CPUs" in problem
     assert threading_problems(share, threads=2, wait_policy="passive", load=0.0) == []
-    assert threading_problems(CpuAllowance(host=4, affinity=4, quota=None), threads=4, wait_policy="", load=0.0) == []
+    # any policy with a spin count sleeps after it; ACTIVE alone spins forever
+    assert threading_problems(share, threads=2, wait_policy="ACTIVE", load=0.0, spin_count="10000") == []
+    assert threading_problems(share, threads=2, wait_policy="ACTIVE", load=0.0, spin_count="") != []
+    assert (
+        threading_problems(
+            CpuAllowance(host=4, affinity=4, quota=None), threads=4, wait_policy="", load=0.0, spin_count=""
+        )
+        == []
+    )
 
 
 def test_spin_waiting_beside_other_work_on_the_whole_host_is_a_problem():
     """No quota, no affinity mask, but the host's load and these threads do not fit its CPUs."""
     host = CpuAllowance(host=8, affinity=8, quota=None)
-    (problem,) = threading_problems(host, threads=8, wait_policy="", load=0.5)
+    (problem,) = threading_problems(host, threads=8, wait_policy="", load=0.5, spin_count="")
     assert "a load of 0.5 on 8 CPUs" in problem and "import loader before torch" in problem
-    assert threading_problems(host, threads=4, wait_policy="", load=3.5) == []  # room for both
+    assert threading_problems(host, threads=4, wait_policy="", load=3.5, spin_count="") == []  # room for both
     assert threading_problems(host, threads=8, wait_policy="PASSIVE", load=6.0, spin_count="0") == []
 
 
@@ -124,13 +132,14 @@ def test_fit_threads_warns_once_per_process(monkeypatch):
     monkeypatch.setattr(T, "cpu_allowance", lambda: CpuAllowance(host=4, affinity=2, quota=None))
     monkeypatch.setattr(T, "_warned", False)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)  # ACTIVE alone: spins forever
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             T.fit_threads()
             T.fit_threads()
         (warning,) = [w for w in caught if issubclass(w.category, T.ThreadingWarning)]
-        assert "OMP_WAIT_POLICY=PASSIVE" in str(warning.message)
+        assert "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000" in str(warning.message)
     finally:
         torch.set_num_threads(before)
 
@@ -139,7 +148,7 @@ def test_serve_adds_the_wait_policy_and_thread_count_but_keeps_the_users():
     from precompile.serve.server import serving_env
 
     env = serving_env(2, environ={})
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["GOMP_SPINCOUNT"] == "10000"
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and env["GOMP_SPINCOUNT"] == "10000"
     assert env["OMP_NUM_THREADS"] == str(max(1, cpu_allowance().cpus // 2))
     assert serving_env(1, environ={"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"}, malloc="system") == {}
     # and the allocator serve preloads (loader.malloc), unless the user preloaded one
@@ -232,11 +241,12 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.integration
 def test_importing_loader_before_torch_makes_openmp_sleep_when_idle():
     # libgomp prints the settings it started with: a spin of 10,000 (about 0.1 ms) before sleeping,
-    # where torch alone spins for 300,000 (3 ms) and PASSIVE alone for 0.
+    # where torch alone spins for 300,000 (3 ms) and PASSIVE alone for 0; ACTIVE, whose spin where
+    # threads outnumber the CPUs is 1,000 where PASSIVE's is 0 (loader.constants.WAIT_POLICY).
     result = python("import os, loader, torch; print(os.environ['OMP_WAIT_POLICY'])", OMP_DISPLAY_ENV="VERBOSE")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "PASSIVE"
-    assert "GOMP_SPINCOUNT = '10000'" in result.stderr
+    assert result.stdout.strip() == "ACTIVE"
+    assert "GOMP_SPINCOUNT = '10000'" in result.stderr and "OMP_WAIT_POLICY = 'ACTIVE'" in result.stderr
     chosen = python("import loader, torch", OMP_DISPLAY_ENV="VERBOSE", GOMP_SPINCOUNT="0")  # the user's own wins
     assert "GOMP_SPINCOUNT = '0'" in chosen.stderr
 
@@ -269,8 +279,9 @@ def test_torch_imported_first_without_passive_warns_once(classifier_artifact):
     policy, *warned = result.stdout.strip().splitlines()
     assert policy == "None"  # not set behind the running OpenMP's back
     (warning,) = warned
-    assert "OpenMP threads spin-wait between calls (OMP_WAIT_POLICY is unset)" in warning
-    assert "start the process with OMP_WAIT_POLICY=PASSIVE, or import loader before torch" in warning
+    assert "OpenMP threads spin-wait between calls (OMP_WAIT_POLICY is unset, GOMP_SPINCOUNT unset)" in warning
+    assert "start the process with OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000 (a spin of 0.1 ms" in warning
+    assert "or import loader before torch" in warning
 
 
 def test_torch_imported_first_with_passive_does_not_warn(classifier_artifact):

@@ -133,7 +133,7 @@ def start_runtime(torch: TorchLibraries, threads: int | None = None) -> Shim:
     """Open torch's libraries once per process, OpenMP configured first; return libtorch's shim.
 
     Unless the process already runs an OpenMP runtime (torch imported, or an earlier load), the
-    environment gets ``OMP_WAIT_POLICY=PASSIVE`` (unless set) and ``OMP_NUM_THREADS`` = ``threads``,
+    environment gets ``wait_env()``'s settings (a short spin, then sleep; unless set) and ``OMP_NUM_THREADS`` = ``threads``,
     by default the count torch would use, cut to the CPUs this process gets. A runtime already
     running keeps the count its owner gave it, unless ``threads`` asks for another (for the calling
     thread: OpenMP's setting is per thread). A ThreadingWarning says what still hurts, as

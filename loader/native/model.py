@@ -107,7 +107,7 @@ def load_native(
 
     The options are ``loader.load``'s (``device`` is always CPU; ``copy_inputs`` has no use: numpy
     arrays live in CPU memory). The torch wheel must be installed (its shared libraries run the code)
-    but is not imported. Before it opens the OpenMP runtime, ``OMP_WAIT_POLICY=PASSIVE`` (unless set)
+    but is not imported. Before it opens the OpenMP runtime, ``loader.threads.wait_env()`` (a short spin, then sleep)
     and ``OMP_NUM_THREADS`` (``threads``, by default torch's count cut to the CPUs this process gets)
     are put in the environment.
 

@@ -182,7 +182,13 @@ class Batcher:
         self.wait_alone = wait_alone
         self._queue: list[_Call] = []
         self._last_batch_calls = 0  # how many calls the latest batch held: 0 or 1, nobody waits for company
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # the queue's changes, for a worker waiting for company
+        # An idle worker sleeps on its own condition, and a new call wakes the one idle the shortest
+        # time (last in, first out): its OpenMP team is the one still awake (precompile.serve.instances).
+        self._wake = [threading.Condition(lock) for _ in range(instances)]
+        self._sleeping: list[int] = []  # workers asleep, the last to fall asleep last
+        self._company = 0  # workers waiting for more calls to join their batch
         self._closed = False
         self._running = 0  # workers running a batch now
         self.instances = instances
@@ -193,7 +199,8 @@ class Batcher:
         self._stats_lock = threading.Lock()
         self.reset_stats()
         self._workers = [
-            threading.Thread(target=self._loop, name=f"precompile-batcher-{i}", daemon=True) for i in range(instances)
+            threading.Thread(target=self._loop, args=(i,), name=f"precompile-batcher-{i}", daemon=True)
+            for i in range(instances)
         ]
         for worker in self._workers:
             worker.start()
@@ -223,7 +230,10 @@ class Batcher:
                     self._full += 1
                 raise BatcherFull(f"the batch queue is full ({self.max_queue} calls waiting); try again later")
             self._queue.append(call)
-            self._cond.notify()
+            if self._company:
+                self._cond.notify_all()  # it may join their batch; one that takes its batch wakes another
+            else:
+                self._wake_one()
         with self._stats_lock:
             self._requests += 1
             shape = tuple(sorted(sizes.items()))
@@ -248,13 +258,25 @@ class Batcher:
         an earlier ``fn`` not yet run; its failures are logged, and the batches then say why."""
         with self._cond:
             self._each = (self._each[0] + 1, fn)
-            self._cond.notify_all()
+            self._wake_all()
 
-    def _loop(self) -> None:
+    def _wake_one(self) -> None:
+        """Wake the worker asleep the shortest time, if any (``_cond`` held)."""
+        if self._sleeping:
+            self._wake[self._sleeping.pop()].notify()
+
+    def _wake_all(self) -> None:
+        """Wake every worker, asleep or waiting for company (``_cond`` held)."""
+        self._sleeping.clear()
+        for wake in self._wake:
+            wake.notify()
+        self._cond.notify_all()
+
+    def _loop(self, index: int) -> None:
         team, seen = 0, 0  # this worker's OpenMP team size as last set (0: not set yet); on_each's generation
         while True:
             with self._cond:
-                batch = self._next_batch(seen)
+                batch = self._next_batch(seen, index)
                 if batch is None:
                     return
                 if batch is _EACH:
@@ -288,13 +310,16 @@ class Batcher:
                 log.warning("a batch worker could not warm up", exc_info=True)
         return team
 
-    def _next_batch(self, seen: int = 0) -> list[_Call] | object | None:
+    def _next_batch(self, seen: int = 0, index: int = 0) -> list[_Call] | object | None:
         """Wait (holding ``_cond``) for calls and take the next batch (empty when every call of it was
         cancelled); ``_EACH`` when ``on_each`` gave a function newer than generation ``seen``; None
-        once closed with nothing queued."""
+        once closed with nothing queued. ``index``: the worker's, whose condition it sleeps on."""
         while True:
             while not self._queue and not self._closed and self._each[0] == seen:
-                self._cond.wait()
+                self._sleeping.append(index)
+                self._wake[index].wait()
+                if index in self._sleeping:  # woken by no one's choice: out of the order again
+                    self._sleeping.remove(index)
             if self._each[0] != seen and not self._closed:
                 return _EACH
             if not self._queue:
@@ -307,12 +332,18 @@ class Batcher:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._company += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._company -= 1
                 if not self._queue or self._queue[0] is not first:
                     break  # another worker took it meanwhile
             if self._queue and self._queue[0] is first:
                 batch = self._take(first)
                 self._last_batch_calls = len(batch)
+                if self._queue:  # calls left for another batch: a worker for them
+                    self._wake_one()
                 return batch
 
     def _rows_waiting(self, first: _Call) -> int:
@@ -395,7 +426,7 @@ class Batcher:
         """Run the calls already queued, then stop the workers; later calls raise BatcherClosed."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._wake_all()
         for worker in self._workers:
             worker.join()
 

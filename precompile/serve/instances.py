@@ -86,7 +86,13 @@ class Instances:
     """``count`` threads running the calls ``submit`` hands them, in order; at most ``queue_size``
     calls wait for a free instance. ``threads`` OpenMP threads in all: a call that runs alone, with
     nothing waiting, gets them all; calls at once get ``threads // count`` each (as loader.Batcher's
-    workers do), so one client keeps the whole machine and many share it."""
+    workers do), so one client keeps the whole machine and many share it.
+
+    A call goes to the instance idle the shortest time (last in, first out): each instance's thread
+    runs its own OpenMP team, and the team of the instance that just finished is the one still awake.
+    Handing calls round the instances in turn (a condition's first waiter) made a lone client's call
+    start a sleeping team while the last one's threads still spun: MiniLM at 1×16 on 2 CPUs took
+    11.6 ms a request against 6.0 with one instance."""
 
     def __init__(self, *, count: int, queue_size: int, threads: int | None = None):
         if count < 1 or queue_size < 0:
@@ -98,11 +104,14 @@ class Instances:
         self._running = 0  # instances running a call now
         self._waiting: collections.deque[tuple[Future, Callable[..., Any], dict[str, Any]]] = collections.deque()
         self._idle = 0  # instances waiting for a call
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
+        self._wake = [threading.Condition(self._lock) for _ in range(count)]  # one per instance
+        self._sleeping: list[int] = []  # instances asleep, the last to fall asleep last
         self._closed = False
         self._each: tuple[int, Callable[[], Any] | None] = (0, None)  # (generation, what each instance runs once)
         self._threads = [
-            threading.Thread(target=self._run, name=f"precompile-instance-{i}", daemon=True) for i in range(count)
+            threading.Thread(target=self._run, args=(i,), name=f"precompile-instance-{i}", daemon=True)
+            for i in range(count)
         ]
         for t in self._threads:
             t.start()
@@ -119,7 +128,8 @@ class Instances:
             if len(self._waiting) - self._idle >= self.queue_size:
                 raise InstancesFull(self.queue_size)
             self._waiting.append((future, fn, kwargs))
-            self._lock.notify()
+            if self._sleeping:
+                self._wake[self._sleeping.pop()].notify()
         future.add_done_callback(self._forget)
         return future
 
@@ -139,7 +149,7 @@ class Instances:
         would pay for its own). Replaces an earlier ``fn`` not yet run; its failures are logged."""
         with self._lock:
             self._each = (self._each[0] + 1, fn)
-            self._lock.notify_all()
+            self._wake_all()
 
     @property
     def queued(self) -> int:
@@ -151,17 +161,27 @@ class Instances:
         """Finish the calls already taken and queued, refuse new ones, and stop the threads."""
         with self._lock:
             self._closed = True
-            self._lock.notify_all()
+            self._wake_all()
         for t in self._threads:
             t.join()
 
-    def _run(self) -> None:
+    def _wake_all(self) -> None:
+        """Wake every sleeping instance (the lock held)."""
+        self._sleeping.clear()
+        for wake in self._wake:
+            wake.notify()
+
+    def _run(self, index: int) -> None:
         team, seen = 0, 0  # this thread's OpenMP team size as last set (0: not set yet)
+        wake = self._wake[index]
         while True:
             with self._lock:
                 self._idle += 1
                 while not self._waiting and not self._closed and self._each[0] == seen:
-                    self._lock.wait()
+                    self._sleeping.append(index)
+                    wake.wait()
+                    if index in self._sleeping:  # woken by no one's choice: out of the order again
+                        self._sleeping.remove(index)
                 self._idle -= 1
                 if self._each[0] != seen and not self._closed:
                     (seen, each), job = self._each, None

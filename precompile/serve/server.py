@@ -24,10 +24,12 @@ REEXEC_MARK = "PRECOMPILE_SERVE_ENV_SET"  # set in the re-executed server, so it
 def serving_env(workers: int, environ: dict[str, str] | None = None, *, malloc: str = "auto") -> dict[str, str]:
     """What the serving processes' environment must add, the user's own settings left alone:
 
-    - ``OMP_WAIT_POLICY=PASSIVE``: idle OpenMP threads sleep instead of spinning, so a server on a
-      shared host keeps about its fair share beside neighbours (measured on 2 cores beside a torch
-      process and a busy loop: p50 6.6× its quiet p50 spinning, 2.7× passive), after a spin of about
-      0.1 ms (``GOMP_SPINCOUNT``, ``loader.threads.wait_env``) that keeps one call's threads awake;
+    - how idle OpenMP threads wait (``loader.threads.wait_env``): they sleep instead of spinning, so a
+      server on a shared host keeps about its fair share beside neighbours (measured on 2 cores beside
+      a torch process and a busy loop: p50 6.6× its quiet p50 spinning, 2.7× sleeping), after a spin
+      of about 0.1 ms that keeps one call's threads awake (``OMP_WAIT_POLICY=ACTIVE
+      GOMP_SPINCOUNT=10000``: libgomp keeps a short spin under that policy where the server's threads
+      each run a team, where PASSIVE's is none and doubled a call, ``loader.constants.WAIT_POLICY``);
     - ``OMP_NUM_THREADS``: each worker's share of the CPUs this process really gets (affinity and
       cgroup quota, not the host's core count);
     - ``LD_PRELOAD``: the memory allocator ``malloc`` names (``loader.malloc``; ``auto``: tcmalloc where

@@ -41,6 +41,7 @@ from loader.manifest import Manifest
 from loader.outputs import flatten, output_names
 from loader.precision import REQUESTS
 from loader.serving.batch_plan import batch_plan
+from loader.threads import wait_env
 from loader.trust import public_keys
 
 from ..errors import PrecompileError
@@ -435,7 +436,7 @@ def tritonserver_command(
     path += [str(project), sysconfig.get_paths()["purelib"]]
     env = dict(
         os.environ,
-        OMP_WAIT_POLICY="PASSIVE",
+        **wait_env({k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}),
         LD_LIBRARY_PATH=os.pathsep.join(
             filter(None, [sysconfig.get_config_var("LIBDIR"), os.environ.get("LD_LIBRARY_PATH")])
         ),

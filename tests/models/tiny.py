@@ -313,3 +313,23 @@ class ActivatedLayoutNet(nn.Module):
 
 def activated_layout_net() -> nn.Module:
     return ActivatedLayoutNet().eval()
+
+
+class StridedImage(nn.Module):
+    """Two stride-2 convolutions, then the feature map flattened: at 4 pixels a side or fewer the
+    map is one pixel, which torch.export traces apart (a size of 1), so a range from 4 up fails to
+    export as one dynamic variant and builds as two (``plan.ranges``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.b(self.a(x))).flatten(1)
+
+
+def strided_image() -> nn.Module:
+    return StridedImage().eval()
