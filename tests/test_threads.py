@@ -156,6 +156,17 @@ def test_serve_adds_the_wait_policy_and_thread_count_but_keeps_the_users():
     assert "LD_PRELOAD" not in serving_env(1, environ={"LD_PRELOAD": "/opt/libjemalloc.so.2"})
 
 
+def test_serve_warns_where_the_user_keeps_the_passive_policy():
+    """precompile keeps a policy the user set; PASSIVE makes every call from a second thread sleep at
+    its barriers (loader.constants.WAIT_POLICY), so the server says what it costs and what to do."""
+    from precompile.serve.server import passive_policy_warning
+
+    said = passive_policy_warning({"OMP_WAIT_POLICY": " passive "})
+    assert "up to 2x slower" in said and "unset it" in said and "--instances 1" in said
+    assert passive_policy_warning({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "10000"}) is None
+    assert passive_policy_warning({}) is None
+
+
 # --- compile threads of the build's workers (precompile.executors.local.compile_threads) ------------
 
 # Each case's affinity is set before compile_threads asks for it (the first before the import, too).
