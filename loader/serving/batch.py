@@ -63,6 +63,7 @@ from ..dispatch import ServedModel
 from ..errors import LoaderError
 from .batch_plan import BatchPlan, Placement, aim, batch_plan, place
 from .batch_tensors import NotBatched, join_inputs, split_outputs
+from .idle import IdleStack
 from .live import Live, Serving
 
 log = logging.getLogger("loader")
@@ -184,10 +185,7 @@ class Batcher:
         self._last_batch_calls = 0  # how many calls the latest batch held: 0 or 1, nobody waits for company
         lock = threading.RLock()
         self._cond = threading.Condition(lock)  # the queue's changes, for a worker waiting for company
-        # An idle worker sleeps on its own condition, and a new call wakes the one idle the shortest
-        # time (last in, first out): its OpenMP team is the one still awake (precompile.serve.instances).
-        self._wake = [threading.Condition(lock) for _ in range(instances)]
-        self._sleeping: list[int] = []  # workers asleep, the last to fall asleep last
+        self._idle = IdleStack(lock, instances)  # a new call wakes the worker idle the shortest time
         self._company = 0  # workers waiting for more calls to join their batch
         self._closed = False
         self._running = 0  # workers running a batch now
@@ -233,7 +231,7 @@ class Batcher:
             if self._company:
                 self._cond.notify_all()  # it may join their batch; one that takes its batch wakes another
             else:
-                self._wake_one()
+                self._idle.wake_one()
         with self._stats_lock:
             self._requests += 1
             shape = tuple(sorted(sizes.items()))
@@ -260,16 +258,9 @@ class Batcher:
             self._each = (self._each[0] + 1, fn)
             self._wake_all()
 
-    def _wake_one(self) -> None:
-        """Wake the worker asleep the shortest time, if any (``_cond`` held)."""
-        if self._sleeping:
-            self._wake[self._sleeping.pop()].notify()
-
     def _wake_all(self) -> None:
         """Wake every worker, asleep or waiting for company (``_cond`` held)."""
-        self._sleeping.clear()
-        for wake in self._wake:
-            wake.notify()
+        self._idle.wake_all()
         self._cond.notify_all()
 
     def _loop(self, index: int) -> None:
@@ -316,10 +307,7 @@ class Batcher:
         once closed with nothing queued. ``index``: the worker's, whose condition it sleeps on."""
         while True:
             while not self._queue and not self._closed and self._each[0] == seen:
-                self._sleeping.append(index)
-                self._wake[index].wait()
-                if index in self._sleeping:  # woken by no one's choice: out of the order again
-                    self._sleeping.remove(index)
+                self._idle.sleep(index)
             if self._each[0] != seen and not self._closed:
                 return _EACH
             if not self._queue:
@@ -343,7 +331,7 @@ class Batcher:
                 batch = self._take(first)
                 self._last_batch_calls = len(batch)
                 if self._queue:  # calls left for another batch: a worker for them
-                    self._wake_one()
+                    self._idle.wake_one()
                 return batch
 
     def _rows_waiting(self, first: _Call) -> int:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from loader.serving.idle import IdleStack
 from loader.threads import cpu_allowance, default_threads
 
 log = logging.getLogger("precompile.serve")
@@ -88,11 +89,8 @@ class Instances:
     nothing waiting, gets them all; calls at once get ``threads // count`` each (as loader.Batcher's
     workers do), so one client keeps the whole machine and many share it.
 
-    A call goes to the instance idle the shortest time (last in, first out): each instance's thread
-    runs its own OpenMP team, and the team of the instance that just finished is the one still awake.
-    Handing calls round the instances in turn (a condition's first waiter) made a lone client's call
-    start a sleeping team while the last one's threads still spun: MiniLM at 1×16 on 2 CPUs took
-    11.6 ms a request against 6.0 with one instance."""
+    A call goes to the instance idle the shortest time, whose OpenMP team is still awake
+    (``loader.serving.idle``)."""
 
     def __init__(self, *, count: int, queue_size: int, threads: int | None = None):
         if count < 1 or queue_size < 0:
@@ -105,8 +103,7 @@ class Instances:
         self._waiting: collections.deque[tuple[Future, Callable[..., Any], dict[str, Any]]] = collections.deque()
         self._idle = 0  # instances waiting for a call
         self._lock = threading.Lock()
-        self._wake = [threading.Condition(self._lock) for _ in range(count)]  # one per instance
-        self._sleeping: list[int] = []  # instances asleep, the last to fall asleep last
+        self._asleep = IdleStack(self._lock, count)  # a call wakes the instance idle the shortest time
         self._closed = False
         self._each: tuple[int, Callable[[], Any] | None] = (0, None)  # (generation, what each instance runs once)
         self._threads = [
@@ -128,8 +125,7 @@ class Instances:
             if len(self._waiting) - self._idle >= self.queue_size:
                 raise InstancesFull(self.queue_size)
             self._waiting.append((future, fn, kwargs))
-            if self._sleeping:
-                self._wake[self._sleeping.pop()].notify()
+            self._asleep.wake_one()
         future.add_done_callback(self._forget)
         return future
 
@@ -149,7 +145,7 @@ class Instances:
         would pay for its own). Replaces an earlier ``fn`` not yet run; its failures are logged."""
         with self._lock:
             self._each = (self._each[0] + 1, fn)
-            self._wake_all()
+            self._asleep.wake_all()
 
     @property
     def queued(self) -> int:
@@ -161,27 +157,17 @@ class Instances:
         """Finish the calls already taken and queued, refuse new ones, and stop the threads."""
         with self._lock:
             self._closed = True
-            self._wake_all()
+            self._asleep.wake_all()
         for t in self._threads:
             t.join()
 
-    def _wake_all(self) -> None:
-        """Wake every sleeping instance (the lock held)."""
-        self._sleeping.clear()
-        for wake in self._wake:
-            wake.notify()
-
     def _run(self, index: int) -> None:
         team, seen = 0, 0  # this thread's OpenMP team size as last set (0: not set yet)
-        wake = self._wake[index]
         while True:
             with self._lock:
                 self._idle += 1
                 while not self._waiting and not self._closed and self._each[0] == seen:
-                    self._sleeping.append(index)
-                    wake.wait()
-                    if index in self._sleeping:  # woken by no one's choice: out of the order again
-                        self._sleeping.remove(index)
+                    self._asleep.sleep(index)
                 self._idle -= 1
                 if self._each[0] != seen and not self._closed:
                     (seen, each), job = self._each, None
