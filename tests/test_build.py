@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import loader
 from precompile.cli import main
-from precompile.errors import CheckError, ExportError
+from precompile.errors import CheckError, ExportError, PrecompileError
 from precompile.pipeline import build
 from precompile.profile import load_profile
 from precompile.samples import make_inputs
@@ -275,3 +275,26 @@ check: {random_shapes: 1}
     assert len(again) == len(result.manifest.variants) == 2
     assert all("its compile worker process died without an error (killed by a signal" in n for n in again)
     assert loader.load(tmp_path / "out")(torch.ones(4, 8)).shape == (4, 4)
+
+
+@pytest.mark.integration
+def test_a_failed_build_stops_the_compile_workers_still_running(tmp_path):
+    """One variant fails in its compile worker while the other's worker is still compiling (it sleeps
+    a minute there): the build fails with the first one's error and leaves no worker running behind it."""
+    import multiprocessing
+
+    text = """
+name: fails
+model: {factory: "tiny:fails_or_hangs_in_worker"}
+inputs:
+  x: {shape: [batch, 8], dtype: float32}
+dims:
+  batch: {min: 1, max: 8}
+distribution: {shapes: [{batch: 4, count: 9}]}
+check: {random_shapes: 1}
+"""
+    earlier = set(multiprocessing.active_children())
+    with pytest.raises(PrecompileError, match="this variant fails in its compile worker"):
+        build(write_profile(tmp_path, text), tmp_path / "out", jobs=2)
+    assert [p for p in multiprocessing.active_children() if p not in earlier] == []
+    assert not (tmp_path / "out").exists()  # nothing half-written

@@ -76,8 +76,6 @@ class LocalExecutor:
                         pool,
                     )
                 if not running:
-                    for process in exiting:
-                        process.join()
                     return
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -90,9 +88,17 @@ class LocalExecutor:
                         continue
                     yield Outcome(task, future.result() if error is None else None, error)
         finally:
-            for future, (_, pool) in running.items():  # a failure: the others' output dies with the staging folder
+            # A failure, or a caller that stopped early: the units still compiling are stopped (their
+            # output dies with the staging folder), not left to burn the CPUs after the build returned.
+            for future, (_, pool) in running.items():
                 future.cancel()
+                stopped = list((getattr(pool, "_processes", None) or {}).values())
                 pool.shutdown(wait=False, cancel_futures=True)
+                for process in stopped:
+                    process.terminate()
+                exiting += stopped
+            for process in exiting:  # each worker joined on every way out
+                process.join()
 
     @staticmethod
     def _again_here(job: CompileJob, task: CompileTask, died: str) -> Outcome:

@@ -161,6 +161,30 @@ def dies_in_worker() -> nn.Module:
     return DiesInWorker()
 
 
+class FailsOrHangsInWorker(nn.Module):
+    """Inside a build's compile worker, fails at once where its batch is static and sleeps for a
+    minute where it is dynamic (a compile that is still running when the build fails); runs normally
+    in the process that started the build."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import multiprocessing
+        import time
+
+        if multiprocessing.parent_process() is not None:
+            if isinstance(x.shape[0], int):
+                raise ValueError("this variant fails in its compile worker")
+            time.sleep(60)
+        return self.lin(x)
+
+
+def fails_or_hangs_in_worker() -> nn.Module:
+    return FailsOrHangsInWorker()
+
+
 class Encoder(nn.Module):
     """A tiny transformer-like encoder: token embeddings, one masked self-attention layer (keys whose
     mask is False get no weight), a feed-forward block, and a masked mean. Padding seq with mask False
