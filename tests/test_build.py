@@ -248,6 +248,21 @@ def test_measure_drops_static_variants_that_do_not_pay(tmp_path):
     assert loader.load(tmp_path / "out")(torch.ones(4, 8))["hidden"].shape == (4, 4)
 
 
+def worker_profile(folder: Path, factory: str) -> Path:
+    """Two variants (static batch 4, dynamic 1-8) of a tiny:FACTORY model that behaves apart in a compile worker."""
+    text = f"""
+name: {factory.replace("_", "-")}
+model: {{factory: "tiny:{factory}"}}
+inputs:
+  x: {{shape: [batch, 8], dtype: float32}}
+dims:
+  batch: {{min: 1, max: 8}}
+distribution: {{shapes: [{{batch: 4, count: 9}}]}}
+check: {{random_shapes: 1}}
+"""
+    return write_profile(folder, text)
+
+
 @pytest.mark.integration
 def test_a_compile_worker_killed_by_a_signal_has_its_variant_compiled_again_in_the_build_process(tmp_path):
     """The model SIGKILLs any compile worker that runs it (as the out-of-memory killer would) and runs
@@ -260,17 +275,7 @@ def test_a_compile_worker_killed_by_a_signal_has_its_variant_compiled_again_in_t
         def note(self, text):
             notes.append(text)
 
-    text = """
-name: dies
-model: {factory: "tiny:dies_in_worker"}
-inputs:
-  x: {shape: [batch, 8], dtype: float32}
-dims:
-  batch: {min: 1, max: 8}
-distribution: {shapes: [{batch: 4, count: 9}]}
-check: {random_shapes: 1}
-"""
-    result = build(write_profile(tmp_path, text), tmp_path / "out", jobs=2, progress=Record())
+    result = build(worker_profile(tmp_path, "dies_in_worker"), tmp_path / "out", jobs=2, progress=Record())
     again = [n for n in notes if "compiling it again in the build process" in n]
     assert len(again) == len(result.manifest.variants) == 2
     assert all("its compile worker process died without an error (killed by a signal" in n for n in again)
@@ -283,18 +288,8 @@ def test_a_failed_build_stops_the_compile_workers_still_running(tmp_path):
     a minute there): the build fails with the first one's error and leaves no worker running behind it."""
     import multiprocessing
 
-    text = """
-name: fails
-model: {factory: "tiny:fails_or_hangs_in_worker"}
-inputs:
-  x: {shape: [batch, 8], dtype: float32}
-dims:
-  batch: {min: 1, max: 8}
-distribution: {shapes: [{batch: 4, count: 9}]}
-check: {random_shapes: 1}
-"""
     earlier = set(multiprocessing.active_children())
     with pytest.raises(PrecompileError, match="this variant fails in its compile worker"):
-        build(write_profile(tmp_path, text), tmp_path / "out", jobs=2)
+        build(worker_profile(tmp_path, "fails_or_hangs_in_worker"), tmp_path / "out", jobs=2)
     assert [p for p in multiprocessing.active_children() if p not in earlier] == []
     assert not (tmp_path / "out").exists()  # nothing half-written
