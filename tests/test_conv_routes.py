@@ -277,33 +277,38 @@ CONVNET_TUNED = """
 
 
 def test_the_convnet_preset_times_each_route_s_first_call_and_keeps_what_the_bound_chooses(tmp_path, monkeypatch):
-    import multiprocessing
-
     from click.testing import CliRunner
 
     import loader
     from precompile import pipeline
     from precompile.cli import main
+    from precompile.executors import local
     from precompile.profile import load_profile
     from precompile.stages.resolve import resolve_model
     from precompile.stages.tune import Trial, choose
 
     from .conftest import write_profile
 
-    # The candidates are timed with no compile worker of this build still exiting beside them (a
-    # child an earlier test of this xdist worker left is not this build's).
-    earlier = set(multiprocessing.active_children())
-    beside = []
+    # The candidates are timed with none of this build's compile workers still alive beside them
+    # (the processes its pools started, not whatever else this process has started).
+    workers, beside = [], []
     tune = pipeline.tune_variants
 
+    class RecordedPool(local.ProcessPoolExecutor):
+        def submit(self, *args, **kwargs):
+            future = super().submit(*args, **kwargs)
+            workers.extend(self._processes.values())
+            return future
+
     def tune_with_no_worker_beside(*args, **kwargs):
-        beside.extend(set(multiprocessing.active_children()) - earlier)
+        beside.extend(p for p in workers if p.is_alive())
         return tune(*args, **kwargs)
 
+    monkeypatch.setattr(local, "ProcessPoolExecutor", RecordedPool)
     monkeypatch.setattr(pipeline, "tune_variants", tune_with_no_worker_beside)
     path = write_profile(tmp_path, CONVNET_TUNED)
     built = pipeline.build(path, tmp_path / "artifact", jobs=2)
-    assert beside == []
+    assert len(workers) == 3 and beside == []
     trials = built.manifest.check.tuning
     assert [t["options"].get("conv_routes") for t in trials] == [
         None, ["conv1x1_as_gemm"], ["conv1x1_as_gemm", "depthwise_as_loops", "stem_as_loops"]
