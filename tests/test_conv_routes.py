@@ -289,8 +289,10 @@ def test_the_convnet_preset_times_each_route_s_first_call_and_keeps_what_the_bou
 
     from .conftest import write_profile
 
-    # The candidates are timed with none of this build's compile workers still alive beside them
-    # (the processes its pools started, not whatever else this process has started).
+    # The candidates are timed with none of this build's compile workers still there beside them
+    # (running, or exited and not reaped): the processes its pools started, not whatever else this
+    # process started. /proc, not is_alive(): a worker the pool's own thread reaped can read as
+    # alive from another thread for a moment.
     workers, beside = [], []
     tune = pipeline.tune_variants
 
@@ -301,7 +303,7 @@ def test_the_convnet_preset_times_each_route_s_first_call_and_keeps_what_the_bou
             return future
 
     def tune_with_no_worker_beside(*args, **kwargs):
-        beside.extend(p for p in workers if p.is_alive())
+        beside.extend(p for p in workers if Path(f"/proc/{p.pid}").exists())
         return tune(*args, **kwargs)
 
     monkeypatch.setattr(local, "ProcessPoolExecutor", RecordedPool)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -61,9 +62,21 @@ class LocalExecutor:
             return
         running: dict[Future, tuple[CompileTask, ProcessPoolExecutor]] = {}
         # A worker whose unit is done takes seconds of CPU more to exit (its interpreter's teardown):
-        # joined before the outcomes end, so that the tune stage never times a candidate beside one
-        # (MobileNetV2's oneDNN candidate timed at 1.6-5x its steady call so, and lost to slower ones).
-        exiting: list[multiprocessing.process.BaseProcess] = []
+        # each pool is shut down, waiting for its worker, on a thread of its own as soon as its unit
+        # is done, and those threads joined before the outcomes end, so that the tune stage never
+        # times a candidate beside an exiting worker (MobileNetV2's oneDNN candidate timed at 1.6-5x
+        # its steady call so, and lost to slower ones). The pool's own shutdown reaps its worker:
+        # joining the worker from here too raced the pool's thread for it, and a worker reaped by
+        # that thread could read as alive here.
+        closing: list[threading.Thread] = []
+
+        def close(pool: ProcessPoolExecutor, *, cancel: bool = False) -> None:
+            closer = threading.Thread(
+                target=pool.shutdown, kwargs={"wait": True, "cancel_futures": cancel}, name="close-compile-worker"
+            )
+            closer.start()
+            closing.append(closer)
+
         try:
             while True:
                 while len(running) < jobs:
@@ -80,8 +93,7 @@ class LocalExecutor:
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
                     task, pool = running.pop(future)
-                    exiting += (getattr(pool, "_processes", None) or {}).values()  # no public handle
-                    pool.shutdown(wait=False)
+                    close(pool)
                     error = future.exception()
                     if isinstance(error, BrokenProcessPool):
                         yield self._again_here(job, task, worker_died(task, jobs))
@@ -92,13 +104,11 @@ class LocalExecutor:
             # output dies with the staging folder), not left to burn the CPUs after the build returned.
             for future, (_, pool) in running.items():
                 future.cancel()
-                stopped = list((getattr(pool, "_processes", None) or {}).values())
-                pool.shutdown(wait=False, cancel_futures=True)
-                for process in stopped:
+                for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public handle
                     process.terminate()
-                exiting += stopped
-            for process in exiting:  # each worker joined on every way out
-                process.join()
+                close(pool, cancel=True)
+            for closer in closing:  # every worker gone, on every way out
+                closer.join()
 
     @staticmethod
     def _again_here(job: CompileJob, task: CompileTask, died: str) -> Outcome:
