@@ -160,34 +160,51 @@ def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dic
     load_s = time.perf_counter() - start
     rng = random.Random(22)
     rows = []
+    # A variant another serves the first calls of (Variant.first_calls_of) is timed as calls reach
+    # it, through dispatch: the first call at a shape runs the other; once the loader has run it
+    # there in the background (wait_first_calls), the next is its own first in this thread ("then").
+    served = {v.first_calls_of for v in model.manifest.variants if v.first_calls_of}
     for v in model.manifest.variants:
-        if v.kind != "dynamic" or v.id not in model.variant_precision:
+        if v.kind != "dynamic" or v.id not in model.variant_precision or v.first_calls_of:
             continue
+        dispatched = v.id in served
         warmed = model.warmed.get(v.id, [])
         unseen = [_unseen(rng, v, [dict(v.hint), loader.warmup.largest(v), *v.warm]) for _ in range(shapes)]
         for kind, sizes in [*(("unseen", s) for s in unseen), *(("traffic", dict(s)) for s in v.warm[:shapes])]:
             args = [_input(torch, spec, sizes, rng) for spec in model.manifest.inputs]
-            first, first_cpu, first_faults = _timed(model, v.id, args)
-            times = [_timed(model, v.id, args) for _ in range(repeat)]
+            first, first_cpu, first_faults, first_variant = _timed(model, v.id, args, dispatched)
+            then = {}
+            if dispatched:
+                model.wait_first_calls(300)
+                then_ms, _, _, then_variant = _timed(model, v.id, args, dispatched)
+                then = {"first_variant": first_variant, "then_ms": then_ms, "then_variant": then_variant}
+            times = [_timed(model, v.id, args, dispatched) for _ in range(repeat)]
             steady = statistics.median(t[0] for t in times)
+            if dispatched:
+                then["then_ratio"] = then["then_ms"] / steady
             rows.append({
                 "artifact": str(path), "model": model.name, "warmup": warmup_shapes, "load_s": load_s, "warmed": warmed,
                 "malloc": in_use(), "threads": torch.get_num_threads(),
                 "variant": v.id, "precision": v.precision, "dims": sizes, "shape": kind,
                 "first_ms": first, "steady_ms": steady, "ratio": first / steady,
                 "first_cpu_ms": first_cpu, "steady_cpu_ms": statistics.median(t[1] for t in times),
-                "first_faults": first_faults, "steady_faults": statistics.median(t[2] for t in times),
+                "first_faults": first_faults, "steady_faults": statistics.median(t[2] for t in times), **then,
             })  # fmt: skip
     return rows
 
 
-def _timed(model: Any, variant_id: str, args: list) -> tuple[float, float, int]:
-    """One call: wall ms, this process's CPU ms (every thread), minor page faults."""
+def _timed(model: Any, variant_id: str, args: list, dispatched: bool = False) -> tuple[float, float, int, str]:
+    """One call of the variant (``dispatched``: a call of the model, which dispatch sends to it or to
+    the variant serving its first calls): wall ms, this process's CPU ms (every thread), minor page
+    faults, the variant that ran."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     cpu, start = time.process_time(), time.perf_counter()
-    model.run_variant(variant_id, *args)
+    if dispatched:
+        _, variant_id = model.call_detailed(*args)
+    else:
+        model.run_variant(variant_id, *args)
     wall, cpu = (time.perf_counter() - start) * 1000, (time.process_time() - cpu) * 1000
-    return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, variant_id
 
 
 def _unseen(rng: random.Random, v: Any, warmable: list[Any], tries: int = 100) -> dict[str, int]:
@@ -229,14 +246,25 @@ def report(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{_name(r):<36} failed: {r['failed'][0]}")
             continue
         dims = " ".join(f"{d}={n}" for d, n in r["dims"].items())
-        flag = "" if r["ratio"] <= TARGET else f"  > {TARGET}×"
+        flag = "" if _worst(r) <= TARGET else f"  > {TARGET}×"
         cpu = f"{r['first_cpu_ms']:.1f}/{r['steady_cpu_ms']:.1f}"
         faults = f"{r['first_faults']}/{r['steady_faults']:g}"
         lines.append(
             f"{_name(r):<36} {r['variant']:<12} {dims:<30} {r['first_ms']:9.2f} "
             f"{r['steady_ms']:9.2f} {r['ratio']:6.2f} {cpu:>20} {faults:>20}{flag}"
         )
+        if "then_ms" in r:
+            lines.append(
+                f"{'':<36} {'':<12} first call on {r['first_variant']}; the next, on {r['then_variant']} "
+                f"once warmed in the background: {r['then_ms']:.2f} ms, {r['then_ratio']:.2f}×"
+            )
     return "\n".join(lines)
+
+
+def _worst(r: dict[str, Any]) -> float:
+    """A row's worst call at its shape over the steady one: the first, or where another variant served
+    it, the first or the next (the variant's own first in this thread)."""
+    return max(r["ratio"], r.get("then_ratio", 0.0))
 
 
 def per_artifact(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -250,7 +278,7 @@ def per_artifact(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if not done:
             out[name] = {"failed": mine[0].get("failed", ["no dynamic variant"])[0]}
             continue
-        ratios = [r["ratio"] for r in done]
+        ratios = [_worst(r) for r in done]
         worst = max(ratios)
         out[name] = {
             "shapes": len(ratios), "median": statistics.median(ratios), "worst": worst, "met": worst <= TARGET,

@@ -27,6 +27,9 @@ from .weights import MappedWeights
 
 # Distinct shapes remembered by stats(); beyond this, calls are counted in shapes_not_tracked.
 MAX_SHAPES_TRACKED = 10_000
+# Shapes waiting for the background warm-up behind a first-calls variant (``Variant.first_calls_of``);
+# beyond this, a new shape's calls stay on that variant until the queue has room again.
+MAX_SHAPES_WAITING = 64
 
 
 class ServedModel:
@@ -66,6 +69,15 @@ class ServedModel:
         self.warmed: dict[str, list[dict[str, int]]] = {}  # the sizes each variant's warm-ups ran, in order
         self._hint_seconds: dict[str, float] = {}  # each variant's hint call in its last warm-up
         self.opening: Opener | None = None  # opens the variants not open yet (loader.opening)
+        # A variant's first-calls variant (Variant.first_calls_of), the shapes each variant ran in
+        # this process, and the background thread that runs a variant at a shape its twin served.
+        self._first_calls = {
+            v.first_calls_of: (v, runners[v.id])
+            for v in self._variants
+            if v.first_calls_of is not None and v.first_calls_of in runners
+        }
+        self._ran: dict[str, set[tuple[int, ...]]] = {}
+        self._shapes_warmer = ShapesWarmer(self) if self._first_calls else None
         self.reset_stats()
 
     def _index_tables(self) -> None:
@@ -83,6 +95,8 @@ class ServedModel:
         static: dict[tuple[int, ...], tuple[Variant, Any]] = {}
         dynamic = []
         for v in variants:
+            if v.first_calls_of is not None:  # serves the first calls of another, never a call of its own
+                continue
             if v.kind == "static":
                 static[tuple(v.dims[d].min for d in self._dim_order)] = (v, runners[v.id])
             else:
@@ -157,9 +171,18 @@ class ServedModel:
     def _run_timed(self, tensors: list, sizes: dict[str, int], runs: list[tuple[str, float]]) -> tuple[list, list]:
         """Run one call (or one piece of a pad or split call) and note (variant, seconds) for ``_count``."""
         variant, runner = self._dispatch(sizes)
+        twin = self._first_calls.get(variant.id)
+        warm = None
+        if twin is not None:
+            key = tuple(sizes[d] for d in self._dim_order)
+            if key not in self._ran.get(variant.id, ()):  # a shape it never ran: its twin answers now
+                warm = variant.id
+                variant, runner = twin
         start = time.perf_counter()
         outputs = runner.run(tensors)
         runs.append((variant.id, time.perf_counter() - start))
+        if warm is not None:  # after the call: the warm-up's CPU does not slow the call it is for
+            self._shapes_warmer.add(warm, key)
         return outputs, [variant.id]
 
     def _count(self, key: tuple[int, ...], runs: list[tuple[str, float]]) -> None:
@@ -255,6 +278,20 @@ class ServedModel:
         done = self.warmed.setdefault(variant_id, [])
         if sizes not in done:
             done.append(dict(sizes))
+        self.note_ran(variant_id, tuple(sizes[d] for d in self._dim_order))
+
+    def note_ran(self, variant_id: str, key: tuple[int, ...]) -> None:
+        """The variant ran at this shape (its sizes in dim order) in this process: calls there no longer
+        go to its first-calls variant. One set per variant, replaced, never changed in place (calls
+        read it without a lock)."""
+        ran = self._ran.get(variant_id, frozenset())
+        if key not in ran:
+            self._ran[variant_id] = ran | {key}
+
+    def wait_first_calls(self, timeout: float | None = None) -> bool:
+        """Wait until the shapes the first-calls variants served have been run on the variants they
+        stood in for (at most ``timeout`` seconds); True when none is left. For tests and benchmarks."""
+        return self._shapes_warmer is None or self._shapes_warmer.join(timeout)
 
     def is_open(self, variant_id: str) -> bool:
         """Whether the variant's compiled code is open (``load(open=...)`` may leave some for later)."""
@@ -279,6 +316,8 @@ class ServedModel:
         an open or a warm-up running compiled code on these containers."""
         if self.opening is not None:
             self.opening.stop()
+        if self._shapes_warmer is not None:
+            self._shapes_warmer.stop()
         for runner in self._runners.values():
             if isinstance(runner, OnDemand):
                 runner.close(_close_runner)
@@ -340,6 +379,80 @@ class ServedModel:
             f"{v.id}: " + ", ".join(f"{d} {v.dims[d]}" for d in self._dim_order) for v in self._variants
         )
         raise GuardError(f"no compiled variant covers {shape} (variants: {covered})", reason="no_variant")
+
+
+class ShapesWarmer:
+    """Runs a variant, on a thread of its own at a lower CPU priority, at each shape its first-calls
+    variant served for it (``ServedModel._run_timed``), one shape at a time, on inputs of that shape
+    (``example_inputs``); then calls there go to the variant itself. oneDNN's kernels are shared by
+    the process: created here, the serving threads' next call at the shape finds them (1.0-1.4x the
+    steady call, against 2-4x at a shape no thread ran: ``bench/results/load-stall.md``). A shape
+    whose run fails stays with the first-calls variant.
+
+    The thread ends once no shape waits, and a new one starts for the next: an idle thread would keep
+    its OpenMP team, and libgomp cuts every team's spin at a barrier while a process has more OpenMP
+    threads than CPUs, which slowed MobileNetV2's steady calls 1.2-1.6x on 2 cores
+    (``bench/results/conv_routes.md``)."""
+
+    def __init__(self, model: ServedModel):
+        self._model = model
+        self._lock = threading.Condition()
+        self._waiting: dict[tuple[str, tuple[int, ...]], None] = {}  # in order, oldest first
+        self._failed: set[tuple[str, tuple[int, ...]]] = set()  # run, and failed: left to the first-calls variant
+        self._thread: threading.Thread | None = None  # None: no shape waiting or running
+        self._stopped = False
+
+    def add(self, variant_id: str, key: tuple[int, ...]) -> None:
+        item = (variant_id, key)
+        with self._lock:
+            if (
+                self._stopped
+                or item in self._waiting
+                or item in self._failed
+                or len(self._waiting) >= MAX_SHAPES_WAITING
+            ):
+                return
+            self._waiting[item] = None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=f"first-calls:{self._model.name}", daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        from .threads import lower_priority
+
+        lower_priority()  # the serving threads keep the CPUs first
+        model = self._model
+        while True:
+            with self._lock:
+                if self._stopped or not self._waiting:
+                    self._thread = None
+                    self._lock.notify_all()
+                    return
+                item = next(iter(self._waiting))
+                del self._waiting[item]
+            variant_id, key = item
+            variant = next(v for v in model.variants if v.id == variant_id)
+            try:
+                model.run_variant(variant_id, *model.example_inputs(variant, dict(zip(model._dim_order, key))))
+            except Exception:  # noqa: BLE001 -- its calls stay with the first-calls variant, which serves them
+                with self._lock:
+                    self._failed.add(item)
+                continue
+            model.note_ran(variant_id, key)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until no shape is waiting or running; True when so."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._thread is None, timeout)
+
+    def stop(self) -> None:
+        """No shape run from now on; waits for the one running, if any (close() frees the code under it)."""
+        with self._lock:
+            self._stopped = True
+            self._waiting.clear()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 def _close_runner(runner: Any) -> None:

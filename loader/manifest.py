@@ -136,6 +136,12 @@ class Variant:
     # plan.warm_shapes), hottest first: load's warm-up runs them too (loader.warmup), so that their
     # first calls find oneDNN's primitives created.
     warm: tuple[dict[str, int], ...] = ()
+    # A dynamic variant that serves the first calls of another (``first_calls_of``: its id, same
+    # ranges, device and precision) at shapes that one has not run yet in this process: compiled with
+    # no per-shape kernel (``compile.conv_routes``), so its first call at a shape costs its steady one,
+    # while the loader runs the other at that shape in the background (oneDNN creates its kernels);
+    # later calls there go to the other. Never chosen by dispatch on its own.
+    first_calls_of: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -168,6 +174,8 @@ class Variant:
             out["not_standalone"] = self.not_standalone
         if self.warm:  # only when set, as above
             out["warm"] = [dict(s) for s in self.warm]
+        if self.first_calls_of is not None:  # older loaders refuse it rather than dispatch to it as a variant
+            out["first_calls_of"] = self.first_calls_of
         return out
 
 
@@ -716,7 +724,7 @@ def _parse_constants(r: _Reader, value: Any) -> dict[str, ConstantSpec]:
 
 VARIANT_KEYS = (
     "id", "kind", "file", "dims", "hint", "constants", "device", "dtype", "constant_prefix", "embedded_constants",
-    "needs_torch", "shim", "not_standalone", "warm",
+    "needs_torch", "shim", "not_standalone", "warm", "first_calls_of",
 )  # fmt: skip
 # At most this many warm-up shapes per variant (the profile's plan.warm_shapes allows 64).
 MAX_WARM_SHAPES = 64
@@ -742,7 +750,28 @@ def _parse_variants(
         raise r.fail("variants", "the artifact has no variants")
     if len({v.id for v in variants}) != len(variants):
         raise r.fail("variants", "variant ids are not unique")
+    _check_first_calls(r, variants)
     return variants
+
+
+def _check_first_calls(r: _Reader, variants: tuple[Variant, ...]) -> None:
+    """A variant serving another's first calls (``first_calls_of``) names a dynamic variant that serves
+    calls itself, the only one that does so for it, with the same ranges, device, dtype and precision."""
+    by_id = {v.id: v for v in variants}
+    taken: set[str] = set()
+    for i, v in enumerate(variants):
+        if v.first_calls_of is None:
+            continue
+        where = f"variants[{i}].first_calls_of"
+        of = by_id.get(v.first_calls_of)
+        if of is None or of is v or of.first_calls_of is not None:
+            raise r.fail(where, f"{v.first_calls_of!r} is not another variant that serves calls itself")
+        if of.id in taken:
+            raise r.fail(where, f"variant {of.id!r} has its first calls served by two variants")
+        taken.add(of.id)
+        same = (v.kind, v.dims, v.device, v.dtype, v.precision) == (of.kind, of.dims, of.device, of.dtype, of.precision)
+        if v.kind != "dynamic" or not same:
+            raise r.fail(where, f"must be dynamic with {of.id!r}'s ranges, device, dtype and precision")
 
 
 def _parse_variant(
@@ -786,6 +815,11 @@ def _parse_variant(
         )
     not_standalone = None if v.get("not_standalone") is None else r.str(v["not_standalone"], f"{where}.not_standalone")
     warm = _parse_warm(r, v.get("warm", []), f"{where}.warm", vdims, static=kind == "static")
+    first_calls_of = (
+        None
+        if v.get("first_calls_of") is None
+        else r.str(v["first_calls_of"], f"{where}.first_calls_of", VARIANT_ID_RE)
+    )
     return Variant(
         vid,
         kind,
@@ -805,6 +839,7 @@ def _parse_variant(
         shim,
         not_standalone,
         warm,
+        first_calls_of,
     )
 
 

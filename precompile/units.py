@@ -36,6 +36,9 @@ class VariantPlan:
     # A dynamic variant's hottest observed shapes (plan.warm_shapes of them, its planned hint first),
     # which the loader's warm-up runs so that their first calls meet compiled kernels (loader.warmup).
     warm: tuple[dict[str, int], ...] = ()
+    # Set on a tuned dynamic variant's second package, which serves the first calls of the variant
+    # with this id at shapes it has not run yet (precompile.stages.tune: first_calls_twin).
+    first_calls_of: str | None = None
 
     @property
     def base_id(self) -> str:

@@ -276,16 +276,22 @@ CONVNET_TUNED = """
 """
 
 
-def test_the_convnet_preset_times_each_route_s_first_call_and_keeps_what_the_bound_chooses(tmp_path, monkeypatch):
+def test_the_convnet_preset_keeps_the_fastest_route_and_the_one_whose_first_call_costs_least(tmp_path, monkeypatch):
+    """The convnet preset's three candidates compile, and each is timed (steady, and first call at
+    shapes it never met); the figures the choice reads are then fixed here: oneDNN's candidate the
+    fastest, its first call 3× its steady one, the 1×1 route's first call the cheapest. Both are
+    kept: oneDNN's serves the calls, the route the first call at each shape oneDNN's has not run in
+    the process, while the loader runs oneDNN's there in the background; later calls go to oneDNN's."""
     from click.testing import CliRunner
 
     import loader
+    from bench import firstcall
     from precompile import pipeline
     from precompile.cli import main
     from precompile.executors import local
     from precompile.profile import load_profile
+    from precompile.stages import tune
     from precompile.stages.resolve import resolve_model
-    from precompile.stages.tune import Trial, choose
 
     from .conftest import write_profile
 
@@ -293,8 +299,8 @@ def test_the_convnet_preset_times_each_route_s_first_call_and_keeps_what_the_bou
     # (running, or exited and not reaped): the processes its pools started, not whatever else this
     # process started. /proc, not is_alive(): a worker the pool's own thread reaped can read as
     # alive from another thread for a moment.
-    workers, beside = [], []
-    tune = pipeline.tune_variants
+    workers, beside, timed = [], [], {}
+    fixed = {0: (1.0, 3.0), 1: (1.2, 1.1), 2: (1.4, 1.0)}  # candidate: (steady ms, first ÷ steady)
 
     class RecordedPool(local.ProcessPoolExecutor):
         def submit(self, *args, **kwargs):
@@ -302,29 +308,58 @@ def test_the_convnet_preset_times_each_route_s_first_call_and_keeps_what_the_bou
             workers.extend(self._processes.values())
             return future
 
-    def tune_with_no_worker_beside(*args, **kwargs):
+    def tune_with_fixed_figures(profile, model, *args, **kwargs):
         beside.extend(p for p in workers if Path(f"/proc/{p.pid}").exists())
-        return tune(*args, **kwargs)
+
+        def steady(run, unit, shapes):
+            ms, error = tune.measure(run, model, profile, unit.variant, shapes)  # eager's check, for real
+            timed[unit.candidate] = [ms]
+            return fixed[unit.candidate][0], error
+
+        def first(run, unit, fresh):
+            timed[unit.candidate].append(tune.first_call(run, profile, unit.variant, fresh))
+            return fixed[unit.candidate][1]
+
+        return tune.tune_variants(profile, model, *args, measure_unit=steady, measure_first=first, **kwargs)
 
     monkeypatch.setattr(local, "ProcessPoolExecutor", RecordedPool)
-    monkeypatch.setattr(pipeline, "tune_variants", tune_with_no_worker_beside)
+    monkeypatch.setattr(pipeline, "tune_variants", tune_with_fixed_figures)
     path = write_profile(tmp_path, CONVNET_TUNED)
     built = pipeline.build(path, tmp_path / "artifact", jobs=2)
     assert len(workers) == 3 and beside == []
+    assert sorted(timed) == [0, 1, 2] and all(ms > 0 and ratio > 0 for ms, ratio in timed.values())
     trials = built.manifest.check.tuning
     assert [t["options"].get("conv_routes") for t in trials] == [
         None, ["conv1x1_as_gemm"], ["conv1x1_as_gemm", "depthwise_as_loops", "stem_as_loops"]
     ]  # fmt: skip
-    assert all(t["ms"] > 0 and t["first_ratio"] > 0 for t in trials)  # each route's first call timed
-    recorded = [
-        Trial(t["variant"], t["candidate"], t["options"], ms=t["ms"], first_ratio=t["first_ratio"]) for t in trials
-    ]
-    (kept,) = [t["candidate"] for t in trials if t.get("kept")]
-    assert kept == choose(recorded, first_call=1.5).candidate
-    model, eager = loader.load(built.path), resolve_model(load_profile(path))
-    for shape in ((1, 3, 24, 24), (2, 3, 64, 37), (1, 3, 41, 58)):  # whichever route won: eager's values
-        x = torch.randn(shape)
-        with torch.no_grad():
-            torch.testing.assert_close(model(x), eager(x), rtol=1e-4, atol=1e-5)
+    assert [(t["kept"], t["first_calls"]) for t in trials] == [(True, False), (False, True), (False, False)]
+    primary, twin = built.manifest.variants
+    assert (primary.id, primary.first_calls_of, twin.id, twin.first_calls_of) == (
+        "dynamic", None, "dynamic-first", "dynamic"
+    )  # fmt: skip
+    assert sorted(p.name for p in (built.path / "variants").iterdir()) == ["dynamic-first.pt2", "dynamic.pt2"]
+    eager = resolve_model(load_profile(path))
+    for load in (loader.load, loader.load_native):
+        model = load(built.path)
+        for shape in ((1, 3, 24, 24), (2, 3, 64, 37), (1, 3, 41, 58)):  # none of them warmed at load
+            x = torch.randn(shape)
+            with torch.no_grad():
+                want = eager(x)
+            arg = x if load is loader.load else x.numpy()
+            got, variant = model.call_detailed(arg)
+            assert variant == "dynamic-first"  # oneDNN's has not run this shape: the route answers
+            assert model.wait_first_calls(120)  # oneDNN's ran it in the background
+            again, variant = model.call_detailed(arg)
+            assert variant == "dynamic"
+            for out in (got, again):
+                torch.testing.assert_close(torch.as_tensor(out), want, rtol=1e-4, atol=1e-5)
+        assert model.call_detailed(*model.example_inputs(primary))[1] == "dynamic"  # the load ran the hint
+        assert model.stats()["variants"]["dynamic-first"]["calls"] == 3
+        model.close()
     out = CliRunner().invoke(main, ["inspect", str(built.path)], catch_exceptions=False).output
     assert "conv_routes=['conv1x1_as_gemm']" in out and "first call" in out
+    assert "dynamic-first" in out and "first calls of dynamic" in out
+    # bench.firstcall times the first call as dispatch serves it, and the next once warmed.
+    (row,) = firstcall.measure([built.path], shapes=1, repeat=3, warmups=("auto",))
+    assert (row["variant"], row["first_variant"], row["then_variant"]) == ("dynamic", "dynamic-first", "dynamic")
+    assert "once warmed in the background" in firstcall.report([row])

@@ -412,7 +412,33 @@ MANIFESTS = {
     "expires-not-a-date": (lambda m: m.update(expires="tomorrow"), "expires: 'tomorrow' is not an ISO 8601 date-time"),
     "expires-naive": (lambda m: m.update(expires="2030-01-01T00:00:00"), "needs a time zone"),
     "format-other": (lambda m: m.update(format="zip"), "format: not 'precompile-artifact'"),
+    "first-calls-of-unknown": (
+        lambda m: m["variants"][0].update(first_calls_of="nope"),
+        r"variants\[0\].first_calls_of: 'nope' is not another variant that serves calls itself",
+    ),
+    "first-calls-of-itself": (
+        lambda m: m["variants"][0].update(first_calls_of=m["variants"][0]["id"]),
+        "is not another variant that serves calls itself",
+    ),
+    "first-calls-of-other-ranges": (
+        lambda m: _twin(m, dims={d: [lo, hi - 1] for d, (lo, hi) in m["variants"][0]["dims"].items()}),
+        r"first_calls_of: must be dynamic with '.*'s ranges, device, dtype and precision",
+    ),
+    "first-calls-of-a-twin": (
+        lambda m: (_twin(m), _twin(m, "twin2", of="twin")),
+        "'twin' is not another variant that serves calls itself",
+    ),
+    "first-calls-twice": (
+        lambda m: (_twin(m), _twin(m, "twin2")),
+        "has its first calls served by two variants",
+    ),
 }
+
+
+def _twin(m: dict, vid: str = "twin", of: str | None = None, **changes) -> None:
+    """A copy of the first variant (its file too) that serves the first calls of ``of`` (the first's id)."""
+    first = m["variants"][0]
+    m["variants"].append({**first, "id": vid, "first_calls_of": of or first["id"], **changes})
 
 
 @pytest.mark.parametrize("case", sorted(MANIFESTS))

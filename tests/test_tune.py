@@ -202,3 +202,22 @@ def test_plan_shows_the_candidates(tmp_path):
     assert "tuning: each variant compiled 2 ways" in out and "candidate 1: freezing=True" in out
     data = json.loads(CliRunner().invoke(main, ["plan", str(path), "--json"], catch_exceptions=False).output)
     assert data["compile_candidates"] == [{}, {"freezing": True}]
+
+
+def test_where_the_fastest_s_first_call_is_over_the_bound_another_serves_its_first_calls():
+    from precompile.stages.tune import Trial, first_calls_twin
+
+    onednn = Trial("dynamic", 0, {}, ms=1.0, first_ratio=2.5)  # fastest, its first call 2.5x
+    routed = Trial("dynamic", 1, {"conv_routes": ["conv1x1_as_gemm"]}, ms=1.2, first_ratio=1.1)
+    primary, twin = first_calls_twin([onednn, routed], 1.5)
+    assert (primary.candidate, primary.kept, primary.first_calls) == (0, True, False)
+    assert (twin.candidate, twin.kept, twin.first_calls) == (1, False, True)
+    # Over the bound too (1.6x the fastest's steady call), but cheaper than oneDNN's own first call.
+    slower = replace(routed, ms=1.6, first_ratio=1.0)
+    assert first_calls_twin([onednn, slower], 1.5)[1].candidate == 1
+    # No cheaper first call elsewhere, the fastest within the bound, or no bound: the fastest alone.
+    assert first_calls_twin([onednn, replace(routed, ms=3.0, first_ratio=1.0)], 1.5) is None
+    assert first_calls_twin([replace(onednn, first_ratio=1.2), routed], 1.5) is None
+    assert first_calls_twin([onednn, routed], None) is None
+    # No first call measured (a static variant): no twin.
+    assert first_calls_twin([replace(onednn, first_ratio=None), routed], 1.5) is None

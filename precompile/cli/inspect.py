@@ -60,6 +60,11 @@ def describe(manifest) -> str:
         if v.warm:
             shapes = ", ".join("×".join(str(s[d]) for d in v.dims) for s in v.warm)
             lines.append(f"  {'':<18} warms at load {len(v.warm)} shape(s) of its traffic: {shapes}")
+        if v.first_calls_of:
+            lines.append(
+                f"  {'':<18} first calls of {v.first_calls_of} at shapes it has not run yet"
+                " (the loader runs it there in the background)"
+            )
         if v.not_standalone:
             lines.append(f"  {'':<18} not standalone: {v.not_standalone}")
         if v.precision != "fp32":
@@ -81,14 +86,16 @@ def describe(manifest) -> str:
     tuning = manifest.check.tuning
     if tuning:
         lines.append(
-            "tuning    each variant's candidates, ms on its traffic, first call at a new shape ÷ steady (* kept)"
+            "tuning    each variant's candidates, ms on its traffic, first call at a new shape ÷ steady"
+            " (* kept, + kept for its first calls)"
         )
         for t in tuning:
             options = options_label(t.get("options", {}))
             result = f"{t['ms']:.3f} ms" if "ms" in t else f"failed: {str(t.get('error', ''))[:80]}"
             if "ms" in t and "first_ratio" in t:
                 result += f"  first call {t['first_ratio']:.2f}×"
-            lines.append(f"  {'*' if t.get('kept') else ' '} {t.get('variant', '?'):<16} {options:<40} {result}")
+            mark = "*" if t.get("kept") else "+" if t.get("first_calls") else " "
+            lines.append(f"  {mark} {t.get('variant', '?'):<16} {options:<40} {result}")
     gates = manifest.check.precision
     dropped = [g for g in gates if not g.get("kept")]
     if dropped:

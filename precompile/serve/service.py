@@ -281,7 +281,13 @@ class Service:
             "dims": {d: {"min": r.min, "max": r.max} for d, r in m.dims.items()},
             "output": m.output.to_dict(),
             "variants": [
-                {"id": v.id, "kind": v.kind, "dims": {d: [r.min, r.max] for d, r in v.dims.items()}, "hint": v.hint}
+                {
+                    "id": v.id,
+                    "kind": v.kind,
+                    "dims": {d: [r.min, r.max] for d, r in v.dims.items()},
+                    "hint": v.hint,
+                    **({"first_calls_of": v.first_calls_of} if v.first_calls_of else {}),
+                }
                 for v in m.variants
             ],
             "last_attempt": self.live.last_attempt.describe() if self.live.last_attempt else None,

@@ -100,6 +100,7 @@ def assemble_manifest(
                 needs_torch=needs_torch(pkg.path, vp.device),
                 shim=C.STANDALONE_SHIM if pkg.standalone else None,
                 not_standalone=pkg.not_standalone,
+                first_calls_of=vp.first_calls_of,
             )
             for vp, pkg in ((u.variant, u.package) for u in units)
         ),

@@ -49,7 +49,7 @@ def measure_statics(
     ``timer`` defaults to ``runners.time_calls`` (tests hand in a fake clock)."""
     out = []
     mine = [v for v in compiled.variants if v.device == compiled.device_type and v.precision == "fp32"]
-    dynamic = [v for v in mine if v.kind == "dynamic"]
+    dynamic = [v for v in mine if v.kind == "dynamic" and v.first_calls_of is None]  # what dispatch falls back to
     for v in mine:
         if v.kind != "static":
             continue

@@ -52,6 +52,7 @@ class Trial:
     max_abs_error: float | None = None
     error: str | None = None  # why it failed to compile or to match eager
     kept: bool = False
+    first_calls: bool = False  # kept too, to serve the kept one's first calls (first_calls_twin)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -154,6 +155,30 @@ def choose(trials: list[Trial], first_call: float | None = None) -> Trial:
     return replace(best, kept=True)
 
 
+def first_calls_twin(trials: list[Trial], first_call: float | None) -> tuple[Trial, Trial] | None:
+    """Two candidates to keep instead of one, where the fastest's first call at a new shape costs
+    more than ``first_call`` of its steady call (oneDNN creating its kernels there): the fastest
+    serves the calls, and the candidate whose first call costs least (``first_call_cost``, against the
+    fastest's steady call) the first call at each shape the fastest has not run yet in the process,
+    while the loader runs the fastest there in the background (``loader.dispatch.ShapesWarmer``).
+    The steady call is the fastest's, a first call the other's. None where the fastest's first call
+    is within the bound, was not measured, or no other candidate's costs less. Returns (the fastest,
+    the other), marked."""
+    good = [t for t in trials if t.error is None and t.ms is not None]
+    if first_call is None or not good:
+        return None
+    fastest = min(good, key=lambda t: (t.ms, t.candidate))
+    if fastest.first_ratio is None or fastest.first_ratio <= first_call:
+        return None
+    others = [t for t in good if t.candidate != fastest.candidate and t.first_ratio is not None]
+    if not others:
+        return None
+    twin = min(others, key=lambda t: (first_call_cost(t, fastest.ms), t.candidate))
+    if first_call_cost(twin, fastest.ms) >= fastest.first_ratio:
+        return None
+    return replace(fastest, kept=True), replace(twin, first_calls=True)
+
+
 def describe(trials: list[Trial]) -> str:
     """One line per variant for the build's output: each candidate's time, the winner marked."""
     parts = []
@@ -163,13 +188,16 @@ def describe(trials: list[Trial]) -> str:
             parts.append(f"{label}: failed")
         else:
             first = f" (first call {t.first_ratio:.2f}×)" if t.first_ratio is not None else ""
-            parts.append(f"{'*' if t.kept else ''}{label}: {t.ms:.3f} ms{first}")
+            mark = "*" if t.kept else "+" if t.first_calls else ""  # +: serves the first calls of *
+            parts.append(f"{mark}{label}: {t.ms:.3f} ms{first}")
     return f"{trials[0].variant}: " + "  ".join(parts)
 
 
 @dataclass(frozen=True)
 class TuneResult:
-    kept: tuple[CompiledUnit, ...]  # per variant, the winning candidate, renamed to the variant's own file
+    # Per variant, the winning candidate, renamed to the variant's own file; after it, where one was
+    # kept, the candidate serving its first calls (``first_calls_twin``), as variant ``<id>-first``.
+    kept: tuple[CompiledUnit, ...]
     trials: tuple[Trial, ...]  # every candidate of every variant, in order
 
 
@@ -191,8 +219,10 @@ def tune_variants(
     first_call_bound: float | None = FIRST_CALL_BOUND,
 ) -> TuneResult:
     """Time every compiled candidate of every variant on its serving shapes, and a dynamic variant's
-    first call at shapes none met; keep the fastest that matches eager (within ``first_call_bound``,
-    ``choose``) under the variant's own file name and delete the others. ``open_runner``,
+    first call at shapes none met; keep the fastest that matches eager under the variant's own file
+    name, with, on a CPU, the one that serves its first calls beside it where its own first call
+    costs more than ``first_call_bound`` (``first_calls_twin``), and elsewhere the fastest within the
+    bound (``choose``); delete the others. ``open_runner``,
     ``measure_unit`` (runner, unit, shapes → (ms, max abs error)) and ``measure_first`` (runner, unit,
     fresh shapes → first ÷ steady) default to the real ones."""
     measure_unit = measure_unit or (lambda run, u, shapes: measure(run, model, profile, u.variant, shapes))
@@ -221,17 +251,19 @@ def tune_variants(
                         vp, k, {**options, **level}, compiled, (shapes, fresh), open_runner, measure_unit, measure_first
                     )
                 )
-        best = choose(mine, first_call_bound)
-        mine = [best if t.candidate == best.candidate else t for t in mine]
-        winner = compiled.get(vp.id, best.candidate)
-        assert winner is not None  # choose() only picks a candidate that compiled
+        pair = first_calls_twin(mine, first_call_bound) if vp.kind == "dynamic" and vp.device == "cpu" else None
+        chosen = [choose(mine, first_call_bound)] if pair is None else list(pair)
+        mine = [next((c for c in chosen if c.candidate == t.candidate), t) for t in mine]
         for k in range(len(candidates)):
             other = compiled.get(vp.id, k)
-            if other is not None and k != best.candidate:
+            if other is not None and all(k != c.candidate for c in chosen):
                 other.package.path.unlink()
-        final = winner.package.path.with_name(package_file(vp.id))
-        winner.package.path.replace(final)
-        kept.append(replace(winner, package=replace(winner.package, path=final)))
+        for trial, plan in zip(chosen, (vp, replace(vp, id=f"{vp.id}-first", first_calls_of=vp.id))):
+            unit = compiled.get(vp.id, trial.candidate)
+            assert unit is not None  # choose() only picks a candidate that compiled
+            final = unit.package.path.with_name(package_file(plan.id))
+            unit.package.path.replace(final)
+            kept.append(replace(unit, variant=plan, package=replace(unit.package, path=final)))
         trials += mine
     return TuneResult(tuple(kept), tuple(trials))
 
