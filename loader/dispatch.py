@@ -76,7 +76,7 @@ class ServedModel:
             for v in self._variants
             if v.first_calls_of is not None and v.first_calls_of in runners
         }
-        self._ran: dict[str, set[tuple[int, ...]]] = {}
+        self._ran: dict[str, set[tuple[int, ...]]] = {}  # at most MAX_SHAPES_TRACKED a variant
         self._shapes_warmer = ShapesWarmer(self) if self._first_calls else None
         self.reset_stats()
 
@@ -175,7 +175,8 @@ class ServedModel:
         warm = None
         if twin is not None:
             key = tuple(sizes[d] for d in self._dim_order)
-            if key not in self._ran.get(variant.id, ()):  # a shape it never ran: its twin answers now
+            ran = self._ran.get(variant.id, ())
+            if key not in ran and len(ran) < MAX_SHAPES_TRACKED:  # a shape it never ran: its twin answers now
                 warm = variant.id
                 variant, runner = twin
         start = time.perf_counter()
@@ -282,11 +283,11 @@ class ServedModel:
 
     def note_ran(self, variant_id: str, key: tuple[int, ...]) -> None:
         """The variant ran at this shape (its sizes in dim order) in this process: calls there no longer
-        go to its first-calls variant. One set per variant, replaced, never changed in place (calls
-        read it without a lock)."""
-        ran = self._ran.get(variant_id, frozenset())
-        if key not in ran:
-            self._ran[variant_id] = ran | {key}
+        go to its first-calls variant. Past MAX_SHAPES_TRACKED shapes, none does (a set's add and
+        look-up are each one step under the GIL: calls read it without a lock)."""
+        ran = self._ran.setdefault(variant_id, set())
+        if len(ran) < MAX_SHAPES_TRACKED:
+            ran.add(key)
 
     def wait_first_calls(self, timeout: float | None = None) -> bool:
         """Wait until the shapes the first-calls variants served have been run on the variants they
