@@ -218,7 +218,10 @@ def _tune(ctx: BuildContext, units: CompiledUnits, progress: Progress) -> tuple[
     with progress.stage("tune", f"{len(ctx.candidates)} option sets per variant, timed on its traffic"):
         tune = ctx.profile.compile.tune
         bound = tune.first_call if tune is not None else FIRST_CALL_BOUND
-        result = tune_variants(ctx.profile, ctx.model, fp32, units, ctx.candidates, ctx.traffic, first_call_bound=bound)
+        twins = tune.first_calls if tune is not None else True
+        result = tune_variants(
+            ctx.profile, ctx.model, fp32, units, ctx.candidates, ctx.traffic, first_call_bound=bound, first_calls=twins
+        )
     for vp in fp32:
         progress.note(describe([t for t in result.trials if t.variant == vp.id]))
     return list(result.kept), result.trials

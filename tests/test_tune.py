@@ -221,3 +221,44 @@ def test_where_the_fastest_s_first_call_is_over_the_bound_another_serves_its_fir
     assert first_calls_twin([onednn, routed], None) is None
     # No first call measured (a static variant): no twin.
     assert first_calls_twin([replace(onednn, first_ratio=None), routed], 1.5) is None
+
+
+@pytest.mark.parametrize("first_calls", [True, False])
+def test_compile_tune_first_calls_says_whether_a_second_variant_is_kept(tmp_path, first_calls):
+    """tune_variants on three fake packages with fixed figures (oneDNN's fastest, its first call 3x):
+    with first_calls, the fastest as the variant and the cheapest first call beside it as <id>-first;
+    without, one package, the fastest within the bound (``choose``), the others deleted."""
+    from types import SimpleNamespace
+
+    from precompile.stages.tune import tune_variants
+    from precompile.units import CompiledPackage, CompiledUnit, CompiledUnits, VariantPlan
+
+    vp = VariantPlan("dynamic", "dynamic", {"batch": (1, 4)}, {"batch": 2})
+    (tmp_path / "variants").mkdir()
+    units = []
+    for k in range(3):
+        path = tmp_path / "variants" / f"dynamic-{k}.pt2"
+        path.write_bytes(b"package %d" % k)
+        units.append(CompiledUnit(vp, CompiledPackage(path, {}, {}), 1.0, candidate=k))
+    figures = {0: (1.0, 3.0), 1: (1.2, 1.1), 2: (1.4, 1.0)}  # candidate: (steady ms, first ÷ steady)
+    result = tune_variants(
+        SimpleNamespace(dims={"batch": None}, check=SimpleNamespace(seed=0)),
+        None,
+        [vp],
+        CompiledUnits(tuple(units)),
+        [{}, {"conv_routes": ["conv1x1_as_gemm"]}, {"conv_routes": ["conv1x1_as_gemm", "depthwise_as_loops"]}],
+        {},
+        open_runner=lambda package, device: package.path.read_bytes(),
+        measure_unit=lambda run, unit, shapes: (figures[unit.candidate][0], 0.0),
+        measure_first=lambda run, unit, fresh: figures[unit.candidate][1],
+        first_call_bound=1.5,
+        first_calls=first_calls,
+    )
+    kept = [(u.variant.id, u.variant.first_calls_of, u.package.path.read_bytes()) for u in result.kept]
+    if first_calls:
+        assert kept == [("dynamic", None, b"package 0"), ("dynamic-first", "dynamic", b"package 1")]
+    else:
+        assert kept == [("dynamic", None, b"package 1")]
+    assert sorted(p.name for p in (tmp_path / "variants").iterdir()) == sorted(
+        ["dynamic.pt2", "dynamic-first.pt2"] if first_calls else ["dynamic.pt2"]
+    )

@@ -104,9 +104,15 @@ class TuneSpec(_Strict):
     first_call: Optional[float] = Field(
         default=1.5,
         ge=1,
-        description="a dynamic variant keeps the fastest candidate whose first call at a shape no call met costs at "
-        "most this many of the fastest candidate's steady call (oneDNN compiles each convolution at each new shape), "
-        "when one does; null: the fastest steady call alone",
+        description="a dynamic variant's bound on the first call at a shape no call met, as a multiple of the fastest "
+        "candidate's steady call (oneDNN compiles each convolution at each new shape): on a CPU, where the fastest's "
+        "first call is over it, the candidate whose first call costs least is kept beside it for the first calls "
+        "(first_calls); elsewhere the fastest candidate within it, when one is; null: the fastest steady call alone",
+    )
+    first_calls: bool = Field(
+        default=True,
+        description="where the fastest candidate's first call is over first_call, keep a second variant for the first "
+        "calls at shapes it has not run (a larger artifact, a longer load); false: keep one, the fastest within the bound",
     )
 
 

@@ -217,12 +217,13 @@ def tune_variants(
     measure_unit: Measure | None = None,
     measure_first: FirstCall | None = None,
     first_call_bound: float | None = FIRST_CALL_BOUND,
+    first_calls: bool = True,
 ) -> TuneResult:
     """Time every compiled candidate of every variant on its serving shapes, and a dynamic variant's
     first call at shapes none met; keep the fastest that matches eager under the variant's own file
     name, with, on a CPU, the one that serves its first calls beside it where its own first call
-    costs more than ``first_call_bound`` (``first_calls_twin``), and elsewhere the fastest within the
-    bound (``choose``); delete the others. ``open_runner``,
+    costs more than ``first_call_bound`` (``first_calls_twin``; not with ``first_calls`` False), and
+    elsewhere the fastest within the bound (``choose``); delete the others. ``open_runner``,
     ``measure_unit`` (runner, unit, shapes → (ms, max abs error)) and ``measure_first`` (runner, unit,
     fresh shapes → first ÷ steady) default to the real ones."""
     measure_unit = measure_unit or (lambda run, u, shapes: measure(run, model, profile, u.variant, shapes))
@@ -251,7 +252,8 @@ def tune_variants(
                         vp, k, {**options, **level}, compiled, (shapes, fresh), open_runner, measure_unit, measure_first
                     )
                 )
-        pair = first_calls_twin(mine, first_call_bound) if vp.kind == "dynamic" and vp.device == "cpu" else None
+        twin = first_calls and vp.kind == "dynamic" and vp.device == "cpu"
+        pair = first_calls_twin(mine, first_call_bound) if twin else None
         chosen = [choose(mine, first_call_bound)] if pair is None else list(pair)
         mine = [next((c for c in chosen if c.candidate == t.candidate), t) for t in mine]
         for k in range(len(candidates)):
