@@ -109,10 +109,11 @@ class TuneSpec(_Strict):
         "first call is over it, the candidate whose first call costs least is kept beside it for the first calls "
         "(first_calls); elsewhere the fastest candidate within it, when one is; null: the fastest steady call alone",
     )
-    first_calls: bool = Field(
-        default=True,
+    first_calls: Optional[bool] = Field(
+        default=None,
         description="where the fastest candidate's first call is over first_call, keep a second variant for the first "
-        "calls at shapes it has not run (a larger artifact, a longer load); false: keep one, the fastest within the bound",
+        "calls at shapes it has not run (a larger artifact, a longer load); false: keep one, the fastest within the "
+        "bound; default: true with the convnet preset, false otherwise",
     )
 
 
