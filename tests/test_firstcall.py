@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import loader
-from loader.warmup import BUDGET_SECONDS, after_hint, estimate_seconds, largest
+from loader.warmup import BUDGET_SECONDS, after_hint, estimate_seconds, largest, short_range_shapes
 
 
 def inputs(batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,3 +119,32 @@ def test_auto_warms_the_traffic_s_shapes_hottest_first_within_a_budget_of_their_
     assert after_hint(v, "auto", per_element, budget=budget) == [small, mid]
     assert after_hint(v, "range", per_element, budget=budget) == [big, small, mid, other]
     assert after_hint(v, "hint", per_element) == []
+
+
+def test_a_first_calls_variant_warms_each_value_of_a_short_range_before_the_largest_shape(tagger_build):
+    """A linear layer after a pooling makes oneDNN create a primitive per batch size, whatever the rest
+    of the shape: a first-calls variant (one whose convolutions create none) is warmed at each batch
+    its hint and other shapes do not have, at the smallest sizes of the other dims, before its
+    largest shape (whose buffers the allocator should hold last). batch [1,8] is short; seq is not."""
+    (v, *_) = [v for v in tagger_build.manifest.variants if v.kind == "dynamic"]
+    v = dataclasses.replace(v, warm=())
+    twin = dataclasses.replace(v, id=f"{v.id}-first", first_calls_of=v.id)
+    big, low = largest(twin), v.dims["seq"].min
+    batches = [b for b in range(1, 9) if b not in (v.hint["batch"], big["batch"])]
+    short = [{"batch": b, "seq": low} for b in batches]
+    assert len(short) >= 6 and after_hint(twin, "range", 0.0) == [*short, big]
+    assert after_hint(v, "range", 0.0) == [big]  # not on a variant whose convolutions create theirs
+    # "auto": the short range's calls within a budget of their own, as many as fit
+    cost = [estimate_seconds(twin, s, 1.0) for s in short]
+    budget = cost[0] + cost[1] + 0.5 * cost[2]  # the largest shape is over it
+    assert estimate_seconds(twin, big, 1.0) > budget
+    assert after_hint(twin, "auto", 1.0, budget=budget) == short[:2]
+    assert after_hint(twin, "hint", 0.0) == []
+
+
+def test_a_short_range_met_by_the_shapes_before_adds_nothing(tagger_build):
+    (v, *_) = [v for v in tagger_build.manifest.variants if v.kind == "dynamic"]
+    twin = dataclasses.replace(v, first_calls_of=v.id, warm=())
+    every = [{"batch": b, "seq": v.dims["seq"].max} for b in range(1, 9)]
+    assert short_range_shapes(twin, every) == []
+    assert short_range_shapes(dataclasses.replace(twin, kind="static"), []) == []

@@ -221,6 +221,33 @@ def test_where_the_fastest_s_first_call_is_over_the_bound_another_serves_its_fir
     assert first_calls_twin([onednn, routed], None) is None
     # No first call measured (a static variant): no twin.
     assert first_calls_twin([replace(onednn, first_ratio=None), routed], 1.5) is None
+    # Cheaper, but by less than the share a second variant must save (FIRST_CALLS_GAIN of 2.5x: 2.0x).
+    assert first_calls_twin([onednn, replace(routed, first_ratio=1.75)], 1.5) is None  # 2.1x
+    assert first_calls_twin([onednn, replace(routed, first_ratio=1.65)], 1.5)[1].candidate == 1  # 1.98x
+
+
+def test_a_first_call_figure_is_the_median_over_its_shapes(tmp_path, monkeypatch):
+    """``first_call`` on a fake runner and clock: the first call at each fresh shape costs 3x, 1.2x,
+    1.4x and 2x the steady one there; the figure is their median (1.7x), not the worst shape's."""
+    from types import SimpleNamespace
+
+    from precompile.stages import tune
+
+    profile = load_profile(write_profile(tmp_path, CLASSIFIER_PROFILE)).profile
+    vp = VariantPlan("dynamic", "dynamic", {"batch": (1, 8), "seq": (2, 48)}, {"batch": 1, "seq": 8})
+    clock, met = [0.0], set()
+    first_cost = {3: 3.0, 5: 1.2, 7: 1.4, 9: 2.0}  # by seq: ms of the first call; 1 ms each after
+
+    def run(ids, *rest):
+        shape = tuple(ids.shape)
+        clock[0] += 1e-3 * (first_cost.get(shape[1], 1.0) if shape not in met else 1.0)
+        met.add(shape)
+
+    monkeypatch.setattr(tune, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(tune, "time_calls", lambda fn, seconds: [(fn(), 1.0)[1]])
+    shapes = [{"batch": 2, "seq": seq} for seq in first_cost]
+    assert tune.first_call(run, profile, vp, shapes) == pytest.approx(1.7)
+    assert tune.first_call(run, profile, vp, []) is None
 
 
 @pytest.mark.parametrize("first_calls", [True, False])
@@ -233,7 +260,7 @@ def test_compile_tune_first_calls_says_whether_a_second_variant_is_kept(tmp_path
     from precompile.stages.tune import tune_variants
     from precompile.units import CompiledPackage, CompiledUnit, CompiledUnits, VariantPlan
 
-    vp = VariantPlan("dynamic", "dynamic", {"batch": (1, 4)}, {"batch": 2})
+    vp = VariantPlan("dynamic", "dynamic", {"batch": (1, 32)}, {"batch": 2})  # fresh shapes for each candidate
     (tmp_path / "variants").mkdir()
     units = []
     for k in range(3):
