@@ -131,16 +131,28 @@ def constants_call(forms: tuple[Signature, ...]) -> ConstantsCall:
     )
 
 
-def open_package(path: str, *, single_threaded: bool = False, device_index: int | None = None, runners: int = 1) -> Any:
+def open_package(
+    path: str,
+    *,
+    single_threaded: bool = False,
+    device_index: int | None = None,
+    runners: int = 1,
+    standalone: bool = False,
+) -> Any:
     """Open one AOTInductor package without importing torch._inductor.
 
     Arguments to the binding: package path, model name inside the package, run single-threaded (needed
     for CUDA graph capture), number of runners (model instances that run calls at once; they share
-    the constants), device index (-1: the default one).
+    the constants), device index (-1: the default one). ``standalone``: the package is known to be a
+    standalone variant (``precompile.standalone``), so libtorch's symbols are made global before the
+    first attempt: a failed attempt leaves the folder torch extracted the package into behind (one
+    ``aotinductor_*`` folder in the temporary directory per process that opened one so).
     """
     index = -1 if device_index is None else device_index
     if shim_in_global_scope():  # its calls would bind to precompile's shim, not to libtorch_cpu's
         raise IncompatibleArtifactError(f"{path}: {MIXED}")
+    if standalone:
+        _expose_libtorch()
     try:
         return torch._C._aoti.AOTIModelPackageLoader(path, C.AOTI_MODEL_NAME, single_threaded, max(1, runners), index)
     except RuntimeError as e:

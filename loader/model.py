@@ -275,6 +275,7 @@ def _open_runners(
                 single_threaded=single,
                 device_index=index,
                 runners=concurrent_runners() if kind == "cpu" else 1,  # CUDA: one, as its graphs are captured
+                standalone=v.shim is not None,
             )
             if before is not None:  # the package loader copied the constants out of the library it opened
                 for library in mapped_libraries() - before:

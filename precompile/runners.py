@@ -81,7 +81,7 @@ def sample_sizes(profile: Profile, sizes: dict[str, int]) -> str:
 
 def open_candidate(pkg: CompiledPackage, device: str) -> Runner:
     """A callable running one compiled package on its own constants (kept alive by the closure)."""
-    runner = open_package(str(pkg.path), device_index=0 if device == "cuda" else None)
+    runner = open_package(str(pkg.path), device_index=0 if device == "cuda" else None, standalone=pkg.standalone)
     constants = {name: t.to(device) for name, t in pkg.constants.items()}
     if not pkg.embedded:
         load_constants(runner, constants)

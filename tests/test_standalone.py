@@ -356,3 +356,35 @@ def test_the_shim_places_a_view_into_its_storage_as_torch_does(tmp_path):
         assert done.returncode == 0, done.stderr
         starts.append(int(done.stdout))
     assert starts == [5, 5]
+
+
+LEFT_CHILD = textwrap.dedent(
+    """
+    import gc, json, os, sys
+    import torch
+    from loader.aoti import open_package
+    runner = open_package(sys.argv[1], standalone=True)
+    del runner
+    gc.collect()
+    print(json.dumps(sorted(p for p in os.listdir(os.environ["TMPDIR"]) if p.startswith("aotinductor_"))))
+    """
+)
+
+
+def test_opening_a_standalone_package_leaves_no_folder_behind(artifact, tmp_path):
+    """torch's package loader extracts a package into a folder of the temporary directory and removes
+    it when the runner goes; an attempt that fails (a standalone library opened before libtorch's
+    symbols are global) leaves its folder. Told the package is standalone (as the build, the tune
+    stage and ``loader.load`` now tell it), the first attempt is the one that succeeds: a fresh
+    process, whose libtorch is not global yet, leaves nothing in its temporary directory."""
+    (v,) = parse_manifest((artifact / "manifest.json").read_text()).variants
+    assert v.shim is not None
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)}
+    done = subprocess.run(
+        [sys.executable, "-c", LEFT_CHILD, str(artifact / v.file)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

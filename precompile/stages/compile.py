@@ -89,7 +89,7 @@ def compile_package(
                 raw.unlink()
             if cache and key:
                 build_cache.store(Path(cache), key, out, constants, embedded)
-    runner = open_package(str(out), device_index=0 if device == "cuda" else None)
+    runner = open_package(str(out), device_index=0 if device == "cuda" else None, standalone=shim is not None)
     missing = set(runner.get_constant_fqns()) - set(constants)
     if missing and not embedded:
         raise CompileError(f"the compiled code needs constants the package did not contain: {sorted(missing)}")
