@@ -40,11 +40,11 @@ had that value: EfficientNet-B0's first calls at 8 new shapes then cost 1.34-1.3
 convolutions create primitives at each new image size anyway, and on oneDNN's the two calls at
 96² created theirs too (0.03-0.08 s more of the load, for 3 ms of inner products).
 
-``warmup_shapes`` (``loader.load``): ``"auto"`` (the default) warms the largest shape when its
-estimated time (the hint's warm-up call scaled by the number of elements) fits ``BUDGET_SECONDS``,
-then the ``warm`` shapes, hottest first, while their estimates' sum fits ``BUDGET_SECONDS``, then the
-short ranges' values while theirs does; ``"range"`` warms all of them, whatever the time; ``"hint"``
-runs the hint only (as before).
+``warmup_shapes`` (``loader.load``): ``"auto"`` (the default) warms, after the hint, a first-calls
+variant's short ranges' values while their estimates' sum fits ``BUDGET_SECONDS``, then the largest
+shape when its estimated time (the hint's warm-up call scaled by the number of elements) fits
+``BUDGET_SECONDS``, then the ``warm`` shapes, hottest first, while their estimates' sum fits
+``BUDGET_SECONDS``; ``"range"`` warms all of them, whatever the time; ``"hint"`` runs the hint only.
 """
 
 from __future__ import annotations

@@ -289,3 +289,19 @@ def test_compile_tune_first_calls_says_whether_a_second_variant_is_kept(tmp_path
     assert sorted(p.name for p in (tmp_path / "variants").iterdir()) == sorted(
         ["dynamic.pt2", "dynamic-first.pt2"] if first_calls else ["dynamic.pt2"]
     )
+
+
+def test_each_candidate_gets_fresh_shapes_of_its_own_where_the_ranges_hold_few():
+    """A batch of 1-8 with the hint and a served shape seen holds 6 fresh sizes: 3 candidates get 2
+    each (4 would leave the third none, and a candidate without a figure counts as within the bound)."""
+    from precompile.stages.tune import FIRST_CALL_SHAPES, fresh_per_candidate
+
+    small = VariantPlan("dynamic", "dynamic", {"batch": (1, 8)}, {"batch": 3})
+    assert fresh_per_candidate(small, 2, 3) == 2 and fresh_per_candidate(small, 2, 1) == FIRST_CALL_SHAPES
+    pair = VariantPlan("d", "dynamic", {"b": (1, 2)}, {"b": 1})
+    assert fresh_per_candidate(pair, 1, 3) == 1  # one size left for three: at least one
+    images = VariantPlan("dynamic", "dynamic", {"batch": (1, 4), "height": (96, 256)}, {"batch": 2, "height": 157})
+    assert fresh_per_candidate(images, 4, 3) == FIRST_CALL_SHAPES
+    seen = {(3,), (5,)}
+    drawn = [fresh_shapes(small, seen, fresh_per_candidate(small, 2, 3), seed=k) for k in range(3)]
+    assert [len(d) for d in drawn] == [2, 2, 2]

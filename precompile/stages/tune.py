@@ -122,6 +122,19 @@ def fresh_shapes(vp: VariantPlan, seen: set[tuple[int, ...]], count: int, seed: 
     return out
 
 
+def fresh_per_candidate(vp: VariantPlan, seen: int, candidates: int) -> int:
+    """How many fresh shapes each candidate's first call is timed at: ``FIRST_CALL_SHAPES``, or an
+    even share of those ``vp``'s ranges hold beyond the ``seen`` ones where they are too few for every
+    candidate to have as many (a batch of 1-8 alone: 7 left for 3 candidates, 2 each), so that no
+    candidate is left without a figure (one is then taken to be within the bound: ``choose``)."""
+    volume = 1
+    for lo, hi in vp.ranges.values():
+        volume *= hi - lo + 1
+        if volume >= seen + FIRST_CALL_SHAPES * candidates:
+            return FIRST_CALL_SHAPES
+    return max(1, (volume - seen) // max(1, candidates))
+
+
 def first_call(
     run: Runner, profile: Profile, vp: VariantPlan, shapes: list[dict[str, int]], *, seconds_per_shape: float = 0.2
 ) -> float | None:
@@ -240,6 +253,7 @@ def tune_variants(
         # Each candidate's first call is timed at shapes of its own: oneDNN keeps the primitives one
         # created for a shape, and another candidate's convolutions at that shape would find them.
         seen = {tuple(s[d] for d in vp.ranges) for s, _ in shapes} | {tuple(vp.hint[d] for d in vp.ranges)}
+        per_candidate = fresh_per_candidate(vp, len(seen), len(candidates))
         # A variant built for an x86-64 level compiled each candidate with its level's options over it.
         level = ISA_OPTIONS.get(vp.isa or "", {})
         mine = []
@@ -249,7 +263,7 @@ def tune_variants(
                 mine.append(Trial(vp.id, k, {**options, **level}, error=f"compiles as candidate {same} for {vp.isa}"))
             else:
                 fresh = (
-                    fresh_shapes(vp, seen, FIRST_CALL_SHAPES, seed=profile.check.seed + 31 * k)
+                    fresh_shapes(vp, seen, per_candidate, seed=profile.check.seed + 31 * k)
                     if vp.kind == "dynamic" and first_call_bound is not None
                     else []
                 )
