@@ -218,9 +218,7 @@ def _tune(ctx: BuildContext, units: CompiledUnits, progress: Progress) -> tuple[
     with progress.stage("tune", f"{len(ctx.candidates)} option sets per variant, timed on its traffic"):
         tune = ctx.profile.compile.tune
         bound = tune.first_call if tune is not None else FIRST_CALL_BOUND
-        # A second variant for first calls: what the convnet preset is for (oneDNN's per-shape kernels);
-        # elsewhere a first call's figure over the bound is mostly the build host's noise.
-        twins = tune is not None and (tune.first_calls if tune.first_calls is not None else tune.preset == "convnet")
+        twins = tune is not None and tune.keeps_first_calls
         result = tune_variants(
             ctx.profile, ctx.model, fp32, units, ctx.candidates, ctx.traffic, first_call_bound=bound, first_calls=twins
         )

@@ -116,6 +116,13 @@ class TuneSpec(_Strict):
         "bound; default: true with the convnet preset, false otherwise",
     )
 
+    @property
+    def keeps_first_calls(self) -> bool:
+        """``first_calls`` as set, else its default: a second variant for first calls is what the convnet
+        preset is for (oneDNN's per-shape kernels); elsewhere a first call's figure over the bound is
+        mostly the build host's noise."""
+        return self.first_calls if self.first_calls is not None else self.preset == "convnet"
+
 
 class CompileSpec(_Strict):
     inductor: dict[str, Any] = Field(
