@@ -1,5 +1,5 @@
 """Count the suite's AOTInductor compiles: ``PRECOMPILE_COUNT_COMPILES=FILE pytest ...`` appends one
-line per compile to FILE, ``compile<TAB>the test<TAB>in-process or child`` (a session fixture's
+line per compile to FILE, ``compile<TAB>the test<TAB>in-process or child<TAB>its wall seconds`` (a session fixture's
 compile is its first test's; a child: a spawned compile worker, a CLI run as a process), and one
 ``hit<TAB>...`` per build-cache hit (a compile that was copied, not run). Wall time on a
 shared host is noisy; the number of compiles a file causes is not (docs/testing.md counts them so).
@@ -20,34 +20,40 @@ import importlib.util
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ENV = "PRECOMPILE_COUNT_COMPILES"
 PID = "COMPILE_COUNT_PID"  # the test process's: a compile elsewhere is a child's (a spawned compile worker, a CLI)
 
 
-def _record(kind: str) -> None:
+def _record(kind: str, seconds: float | None = None) -> None:
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
     where = "in-process" if os.environ.get(PID) == str(os.getpid()) else "child"
+    took = "" if seconds is None else f"\t{seconds:.1f}"
     with open(os.environ[ENV], "a") as f:  # one short write per line: concurrent appends stay whole
-        f.write(f"{kind}\t{test}\t{where}\n")
+        f.write(f"{kind}\t{test}\t{where}{took}\n")
 
 
 def _counting(module, name: str, kind: str, counts=None) -> None:
-    """Replace ``module.name`` by a function that records ``kind`` for each call (before it, so a
-    compile that fails counts too), or for each whose result ``counts``."""
+    """Replace ``module.name`` by a function that records ``kind`` and its seconds for each call (a
+    call that fails too), or ``kind`` alone for each whose result ``counts``."""
     original = getattr(module, name)
     if getattr(original, "counted", False):
         return
 
     @functools.wraps(original)
     def counted(*args, **kwargs):
-        if counts is None:
-            _record(kind)
-        result = original(*args, **kwargs)
-        if counts is not None and counts(result):
-            _record(kind)
-        return result
+        if counts is not None:
+            result = original(*args, **kwargs)
+            if counts(result):
+                _record(kind)
+            return result
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:  # a compile that fails counts too
+            _record(kind, time.perf_counter() - start)
 
     counted.counted = True
     setattr(module, name, counted)
