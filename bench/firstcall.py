@@ -1,7 +1,7 @@
 """The first call at a shape no call met before, against the steady call at that shape, per dynamic variant.
 
     .venv/bin/python -m bench.firstcall ARTIFACT [ARTIFACT ...] [--shapes 3] [--repeat 20]
-        [--warmup-shapes hint auto] [--onnx MODEL.onnx ...] [--out firstcall.json]
+        [--warmup-shapes hint auto] [--onnx MODEL.onnx ...] [--malloc auto] [--out firstcall.json]
 
 Prints one row per shape, then one line per artifact and warm-up (``summary``): the median and worst ratio.
 
@@ -22,6 +22,12 @@ primitives for the shape (descriptor and JIT), and fresh pages for buffers large
 one, at the same unseen shapes, in a fresh process of its own with as many intra-op threads as the
 artifact's process ran, after the same warm-up shapes (rows ``ONNX Runtime``).
 
+Each engine runs as it is served: the artifact's processes with what ``precompile serve`` adds for
+one worker (``serving_process_env``: its OpenMP wait policy and thread count, ``--malloc``'s
+allocator preloaded, default ``auto``: tcmalloc where installed), ONNX Runtime's on glibc's malloc.
+Before 2026-12-08 the artifact ran on glibc's malloc, whose buffers over 32 MB are mapped afresh on
+every call, first and steady alike (UNet at 3×175×203: 13,290 page faults a steady call).
+
 Run it on a quiet machine; on a busy one the wall-time ratios say little.
 """
 
@@ -39,12 +45,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loader.malloc import PRELOAD_ENV
 from loader.threads import wait_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.5  # first call / steady call
 # The load's warm-up modes compared (loader.warmup): the hint alone, as before, and the default.
 WARMUPS = ("hint", "auto")
+
+
+def serving_process_env(malloc: str) -> dict[str, str]:
+    """The environment a process serving an artifact starts with: this one's, with no allocator
+    preloaded, plus what ``precompile serve`` adds for one worker (``serving_env``: OpenMP's wait
+    policy and threads, ``malloc``'s allocator preloaded)."""
+    from precompile.serve.server import serving_env
+
+    base = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}  # the user's allocator is malloc's to choose
+    return {**base, **serving_env(1, base, malloc=malloc)}
 
 
 def measure(
@@ -61,10 +78,12 @@ def measure(
     (default: this one's, OpenMP's idle threads asleep after the short spin ``precompile serve``
     sets, ``loader.threads.wait_env``; before 2026-12-07 they slept at once, which slowed every call
     of a convnet, oneDNN's and generated code alike), e.g. with an allocator preloaded. ``onnx``:
-    each artifact's ONNX export, whose first calls ONNX Runtime makes at the same shapes."""
+    each artifact's ONNX export, whose first calls ONNX Runtime makes at the same shapes, in a process
+    on glibc's malloc, as its users run it."""
     rows: list[dict[str, Any]] = []
     if env is None:
         env = {**os.environ, **wait_env()}
+    onnx_env = {k: v for k, v in env.items() if k != PRELOAD_ENV}
     for k, path in enumerate(artifacts):
         mine: list[dict[str, Any]] = []
         for mode in warmups:
@@ -87,7 +106,7 @@ def measure(
             }  # fmt: skip
             rows += _run_child(
                 ["--onnx-child", str(onnx[k]), "--repeat", str(repeat), "--plan", json.dumps(plan)],
-                env, {"artifact": str(onnx[k]), "warmup": "onnxruntime"},
+                onnx_env, {"artifact": str(onnx[k]), "warmup": "onnxruntime"},
             )  # fmt: skip
     return rows
 
@@ -106,6 +125,8 @@ def _onnx_child(path: Path, repeat: int, plan: dict[str, Any]) -> list[dict[str,
     """ONNX Runtime's first and steady calls at ``plan``'s shapes, after its warm-up shapes, with its
     thread count (``bench.peers.open_engine``: the bench's ONNX Runtime session)."""
     import numpy as np
+
+    from loader.malloc import in_use
 
     from .peers import open_engine
 
@@ -144,7 +165,7 @@ def _onnx_child(path: Path, repeat: int, plan: dict[str, Any]) -> list[dict[str,
             "warmed": plan["warmed"], "threads": facts["threads"], "variant": "onnxruntime", "dims": sizes,
             "shape": "unseen", "first_ms": first[0], "steady_ms": steady, "ratio": first[0] / steady,
             "first_cpu_ms": first[1], "steady_cpu_ms": statistics.median(c for _, c in times[1:]),
-            "first_faults": 0, "steady_faults": 0,
+            "first_faults": 0, "steady_faults": 0, "malloc": in_use(),
         })  # fmt: skip
     return rows
 
@@ -319,6 +340,11 @@ def main() -> None:
     parser.add_argument(
         "--onnx", nargs="+", type=Path, help="each artifact's ONNX export: ONNX Runtime's first calls too"
     )
+    parser.add_argument(
+        "--malloc", default="auto", metavar="auto|tcmalloc|jemalloc|system|PATH",
+        help="the allocator the artifact's processes run on, as `precompile serve --malloc` (default auto: "
+        "tcmalloc where installed)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--onnx-child", action="store_true", help=argparse.SUPPRESS)
@@ -332,9 +358,16 @@ def main() -> None:
         return
     if args.onnx and len(args.onnx) != len(args.artifacts):
         parser.error("--onnx: one ONNX export per artifact, in the same order")
+    from loader.malloc import MallocError, resolve
+
+    try:
+        resolve(args.malloc)
+    except MallocError as e:
+        parser.error(str(e))
     rows = measure(
-        args.artifacts, shapes=args.shapes, repeat=args.repeat, warmups=tuple(args.warmup_shapes), onnx=args.onnx
-    )
+        args.artifacts, shapes=args.shapes, repeat=args.repeat, warmups=tuple(args.warmup_shapes),
+        env=serving_process_env(args.malloc), onnx=args.onnx,
+    )  # fmt: skip
     print(report(rows))
     print(summary(rows))
     if args.out:

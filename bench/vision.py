@@ -67,12 +67,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from loader.malloc import PRELOAD_ENV, MallocError, resolve
+from loader.malloc import MallocError, resolve
 from loader.threads import wait_env
 from precompile.errors import PrecompileError
-from precompile.serve.server import serving_env
 
 from . import firstcall
+from .firstcall import serving_process_env as process_env
 from .precision import PEER_LABELS, PROFILES, ROOT, peer_label
 from .vision_worker import Worker, WorkerFailed
 
@@ -183,14 +183,6 @@ def compared(built: Built, onnx: Path | None, malloc: str) -> list[Method]:
     ours.append(Method("precompile fp32 unfrozen", "precompile", built.unfrozen.path, malloc))
     peers = [Method(label, kind, onnx, "system") for kind, label in PEER_LABELS.items()] if onnx else []
     return [Method(EAGER, "eager", None, "system"), *ours, *peers]
-
-
-def process_env(malloc: str) -> dict[str, str]:
-    """The environment a method's process starts with: this one's, with no allocator preloaded, plus
-    what ``precompile serve`` adds for one worker (``serving_env``: OpenMP's wait policy and threads,
-    ``malloc``'s allocator preloaded)."""
-    base = {k: v for k, v in os.environ.items() if k != PRELOAD_ENV}  # the user's allocator is --malloc's to choose
-    return {**base, **serving_env(1, base, malloc=malloc)}
 
 
 def start_workers(

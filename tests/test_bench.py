@@ -397,11 +397,18 @@ def test_the_first_call_bench_times_onnx_runtime_s_first_call_at_the_artifact_s_
     classifier_artifact, classifier_onnx
 ):
     from bench import firstcall
+    from loader.malloc import resolve
 
-    rows = firstcall.measure([classifier_artifact], shapes=2, repeat=3, warmups=("auto",), onnx=[classifier_onnx])
+    rows = firstcall.measure(
+        [classifier_artifact], shapes=2, repeat=3, warmups=("auto",), onnx=[classifier_onnx],
+        env=firstcall.serving_process_env("auto"),
+    )  # fmt: skip
     ours = [r for r in rows if r["warmup"] == "auto"]
     peer = [r for r in rows if r["warmup"] == "onnxruntime"]
     assert ours and all("failed" not in r for r in rows), rows
+    # Each engine as it is served: the artifact on `precompile serve`'s allocator, ONNX Runtime on glibc's.
+    assert {r["malloc"] for r in ours} == {"tcmalloc" if resolve("auto") is not None else "system"}
+    assert {r["malloc"] for r in peer} == {"system"}
     assert [r["dims"] for r in peer] == [r["dims"] for r in ours]  # the same unseen shapes
     assert all(r["threads"] == ours[0]["threads"] and r["warmed"] == ours[0]["warmed"] for r in peer)
     assert all(r["ratio"] == pytest.approx(r["first_ms"] / r["steady_ms"]) for r in peer)
