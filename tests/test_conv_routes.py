@@ -9,6 +9,7 @@ convolutions left to oneDNN (counted with ``ONEDNN_VERBOSE`` in a child process)
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -263,6 +264,24 @@ def test_the_routed_loops_divide_without_a_branch_and_split_below_the_batch(pack
     assert "div_floor_integer" not in kernels
     assert "/ static_cast<int64_t>(2L))" in kernels  # the stride-2 layers' sizes
     assert "#pragma omp for collapse(2)" in kernels
+
+
+def test_a_depthwise_convolution_reads_its_taps_from_one_buffer(packages):
+    """A routed depthwise convolution's k² taps are one constant that its loop reads at k² offsets
+    (conv_routes._one_buffer). Freezing folded each tap into a constant of its own before, and the
+    loop held k² pointers, most of them spilled to the stack and reloaded for every vector."""
+    path, _ = packages["routed"]
+    with zipfile.ZipFile(path) as package:
+        (kernels,) = [package.read(n).decode() for n in package.namelist() if n.endswith(".kernel.cpp")]
+    read_at = []  # per kernel and pointer, the constant offsets (in floats) it is read at, beside the channel
+    for kernel in kernels.split('extern "C"')[1:]:
+        offsets: dict[str, set[int]] = {}
+        for pointer, offset in re.findall(r"(in_ptr\d+) \+ static_cast<int64_t>\((\d+)L \+ x\d+\)", kernel):
+            offsets.setdefault(pointer, set()).add(int(offset))
+        read_at += offsets.values()
+    channels = 32  # both depthwise convolutions of the model
+    assert {channels * k for k in range(1, 9)} in read_at  # the 3×3 one: its 8 taps after the first
+    assert {channels * k for k in range(1, 25)} in read_at  # the 5×5 one
 
 
 CONVNET_TUNED = """

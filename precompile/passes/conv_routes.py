@@ -290,6 +290,7 @@ def _shifted_slices(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str,
     # tap read from the [K, C, k, k] weight itself would be a gather with stride C·k² in the vectorised loop.
     rows_of_taps = b(aten.view.default, weight, [out_channels, channels * kh * kwd])
     taps = b(aten.contiguous.default, b(aten.permute.default, rows_of_taps, [1, 0]))
+    taps = _one_buffer(b, taps)
     total = None
     for i in range(kh):
         rows = b(aten.slice.Tensor, padded, 2, i, i + 1 - kh or None, sh)
@@ -301,6 +302,28 @@ def _shifted_slices(gm: torch.fx.GraphModule, node: torch.fx.Node, kw: dict[str,
     if shift is not None:
         total = b(aten.add.Tensor, total, b(aten.view.default, shift, [1, out_channels, 1, 1]))
     _replace(gm, node, folded[0] if folded else None, total)
+
+
+def _one_buffer(b: _Builder, taps: torch.fx.Node) -> torch.fx.Node:
+    """``taps`` ([k², K], contiguous) kept one constant that every tap reads at its own offset:
+    freezing's constant folding would otherwise fold each tap's ``select`` into a constant of its own,
+    and the loop then holds k² pointers, most of them spilled to the stack and reloaded for every
+    vector (the op that keeps it is left unfolded: ``_keep_unfolded``)."""
+    import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_force_stride_order
+
+    _keep_unfolded()
+    return b(torch.ops.prims.inductor_force_stride_order.default, taps, [taps.meta["val"].shape[1], 1])
+
+
+def _keep_unfolded() -> None:
+    """Inductor's constant folding (freezing) leaves ``prims.inductor_force_stride_order`` alone in
+    this process: the routes pass constants through it to keep them one buffer (``_one_buffer``);
+    nothing else gives it a constant."""
+    from torch._inductor import constant_folding
+
+    op = torch.ops.prims.inductor_force_stride_order.default
+    if op not in constant_folding._dont_constant_fold:
+        constant_folding.add_dont_constant_fold(op)
 
 
 def _realized_channels_last(b: _Builder, x: torch.fx.Node, channels: int) -> torch.fx.Node:
