@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -211,6 +212,30 @@ def test_the_sizes_of_the_range_are_grouped_by_the_layout_onednn_wants_for_them(
     assert len(set(layouts)) == len(groups)
     for group, want in zip(groups, layouts):
         assert all(prepack.layout(pack(size)) == want for size in group[:: max(1, len(group) // 50)])
+
+
+def test_the_probe_asks_from_several_threads_and_finds_what_one_thread_finds(monkeypatch):
+    """``group_by_layout`` asks oneDNN from ``probe_workers()`` threads at once, each at the thread
+    count probed (OpenMP's per-thread setting): the same groups, in the same order, as one thread
+    asking alone, at each count; the calling thread's count is as it was."""
+    conv = nn.Conv2d(256, 512, 1, stride=2)  # two blockings over these sizes on a 2-core AVX-512 host
+    sizes = [[b, 256, h, h + 3] for b in (1, 2, 4) for h in range(8, 200)]
+    askers = set()
+
+    def pack(size: list[int]) -> torch.Tensor:
+        askers.add(threading.current_thread().name)
+        return torch.ops.mkldnn._reorder_convolution_weight(conv.weight.detach(), [0, 0], [2, 2], [1, 1], 1, size)
+
+    before = torch.get_num_threads()
+    found = {}
+    for workers in (1, 3):
+        askers.clear()
+        monkeypatch.setattr(prepack, "probe_workers", lambda: workers)
+        found[workers] = prepack.group_by_layout(pack, sizes, [1, 2])
+        assert len(askers) == workers
+    assert found[3] == found[1]
+    assert sorted([*(size for group in found[3].groups for size in group), *found[3].mixed]) == sorted(sizes)
+    assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("thread_counts_agree", [True, False])
