@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loader.malloc import PRELOAD_ENV
+from loader.malloc import PRELOAD_ENV, MallocError, in_use, resolve
 from loader.threads import wait_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,8 +126,6 @@ def _onnx_child(path: Path, repeat: int, plan: dict[str, Any]) -> list[dict[str,
     thread count (``bench.peers.open_engine``: the bench's ONNX Runtime session)."""
     import numpy as np
 
-    from loader.malloc import in_use
-
     from .peers import open_engine
 
     start = time.perf_counter()
@@ -174,7 +172,6 @@ def _child(path: Path, shapes: int, repeat: int, warmup_shapes: str) -> list[dic
     import torch
 
     import loader.warmup
-    from loader.malloc import in_use
 
     start = time.perf_counter()
     model = loader.load(path, warmup_shapes=warmup_shapes, open="eager")
@@ -358,8 +355,6 @@ def main() -> None:
         return
     if args.onnx and len(args.onnx) != len(args.artifacts):
         parser.error("--onnx: one ONNX export per artifact, in the same order")
-    from loader.malloc import MallocError, resolve
-
     try:
         resolve(args.malloc)
     except MallocError as e:

@@ -296,18 +296,18 @@ def _probe(pack: Callable[[list[int]], torch.Tensor], sizes: list[list[int]], th
     ``torch.set_num_threads`` sets), and its queries let go of the GIL: on an idle 2-core host two
     threads answer 1.5x as many a second as one."""
 
-    def share(k: int, workers: int) -> list[bytes]:
+    workers = min(probe_workers(), max(1, len(sizes) // PROBES_PER_WORKER))
+
+    def share(k: int) -> list[bytes]:  # every workers-th size from the k-th
         torch.set_num_threads(threads)
         return [layout(pack(size)) for size in sizes[k::workers]]
 
-    workers = min(probe_workers(), max(1, len(sizes) // PROBES_PER_WORKER))
     if workers == 1:
-        return share(0, 1)
-    with ThreadPoolExecutor(workers, thread_name_prefix="prepack-probe") as pool:
-        shares = list(pool.map(share, range(workers), [workers] * workers))
+        return share(0)
     found: list[bytes] = [b""] * len(sizes)
-    for k, answers in enumerate(shares):
-        found[k::workers] = answers
+    with ThreadPoolExecutor(workers, thread_name_prefix="prepack-probe") as pool:
+        for k, answers in enumerate(pool.map(share, range(workers))):
+            found[k::workers] = answers
     return found
 
 
